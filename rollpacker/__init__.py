@@ -1,0 +1,1 @@
+"""RollPacker: tail-batching RL post-training on Megatron-core."""

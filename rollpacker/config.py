@@ -1,0 +1,123 @@
+"""The run's configuration: one section per component, checked before any work.
+
+``load_config`` reads a YAML file, applies ``section.key=value`` overrides and
+builds the typed sections. ``check_layout`` then refuses layouts that cannot
+run on the given world size (it reads the model's HF ``config.json`` for head
+counts). Both raise ``ConfigError`` whose message names the key, the file and
+the fix; the entry point calls them on every rank before any rank does work.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rollpacker.configlib import ConfigError, apply_overrides, build, load_yaml
+from rollpacker.data.config import DataConfig
+from rollpacker.reward.config import RewardConfig
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.scheduler.config import SchedulerConfig
+from rollpacker.trainer.config import TrainerConfig
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    output_dir: str = "runs"
+    seed: int = 1
+    steps: int = 10
+    save_every: int = 5  # steps between checkpoints; 0 disables periodic saves
+    keep_checkpoints: int = 2
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "rollpacker"
+    threads_per_rank: int = 1  # CPU threads per rank (torch.set_num_threads)
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.save_every < 0:
+            raise ConfigError(f"save_every must be >= 0, got {self.save_every}")
+
+
+@dataclass
+class ModelSection:
+    path: str = ""  # HF directory: config.json, *.safetensors, tokenizer
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path must name a local HF model directory (config.json + safetensors)")
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    source: str = ""  # the file it was read from, for messages
+
+    def resolve(self, relative_to: Path) -> "Config":
+        """Make model and data paths absolute relative to the repository root."""
+        def fix(p: str) -> str:
+            q = Path(p).expanduser()
+            return str(q if q.is_absolute() else (relative_to / q).resolve())
+        self.model.path = fix(self.model.path)
+        self.data.train_files = [fix(p) for p in self.data.train_files]
+        self.data.eval_files = [fix(p) for p in self.data.eval_files]
+        return self
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    source = str(path)
+    data = apply_overrides(load_yaml(path), list(overrides))
+    data.pop("source", None)
+    sections = {k: v for k, v in data.items()}
+    cfg = build(Config, sections, where="", source=source)
+    cfg.source = source
+    return cfg
+
+
+def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) -> None:
+    """Refuse layouts that cannot run on ``world_size`` ranks, naming the key and the fix."""
+    src, t = cfg.source, cfg.trainer
+    model_parallel = t.tp * t.pp * t.cp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"{src}: trainer.tp*trainer.pp*trainer.cp = {t.tp}*{t.pp}*{t.cp} = {model_parallel} does not divide "
+            f"the world size {world_size}; choose sizes whose product divides {world_size}")
+    dp = world_size // model_parallel
+    batch = cfg.scheduler.p0 * cfg.scheduler.r0
+    if batch % dp:
+        raise ConfigError(
+            f"{src}: scheduler.p0*scheduler.r0 = {batch} is not divisible by the data-parallel size {dp} "
+            f"(world {world_size} / tp*pp*cp {model_parallel}); change scheduler.p0 or the layout")
+    rollout_tps = {cfg.rollout.tp}
+    if cfg.scheduler.planner.enabled:
+        rollout_tps |= {cfg.scheduler.planner.short_tp, cfg.scheduler.planner.long_tp}
+    for tp in sorted(rollout_tps):
+        if world_size % tp:
+            raise ConfigError(f"{src}: rollout TP {tp} (rollout.tp / scheduler.planner.*_tp) does not divide "
+                              f"the world size {world_size}")
+    hf = Path(cfg.model.path) / "config.json"
+    if not hf.is_file():
+        if require_files:
+            raise ConfigError(f"{src}: model.path: {cfg.model.path} has no config.json; "
+                              "point model.path at a local HF model directory")
+        return
+    hf_cfg = json.loads(hf.read_text())
+    heads = hf_cfg["num_attention_heads"]
+    kv_heads = hf_cfg.get("num_key_value_heads", heads)
+    for key, tp in [("trainer.tp", t.tp)] + [("rollout TP", x) for x in sorted(rollout_tps)]:
+        if heads % tp or kv_heads % tp:
+            raise ConfigError(
+                f"{src}: {key}={tp} does not divide the model's attention heads ({heads}) and KV heads "
+                f"({kv_heads}) from {hf}; use a TP size that divides {kv_heads}")
+    if require_files:
+        for p in cfg.data.train_files:
+            if not Path(p).is_file():
+                raise ConfigError(f"{src}: data.train_files: {p} does not exist")

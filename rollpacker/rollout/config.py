@@ -1,0 +1,33 @@
+"""Configuration of the rollout engines."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rollpacker.configlib import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["reference", "sglang"] = "reference"
+    tp: int = 1  # starting rollout TP size; the planner may change it per round
+    max_response_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    kv_cache_tokens: int = 65536  # reference engine: KV budget per engine, in tokens
+    max_running_requests: int = 256
+    mem_fraction_static: float = 0.7  # sglang
+    weight_bucket_mb: int = 512  # size bound of one weight-update bucket
+
+    def validate(self) -> None:
+        if self.tp < 1 or self.tp & (self.tp - 1):
+            raise ConfigError(f"tp must be a power of two >= 1, got {self.tp}")
+        if self.max_response_length < 1:
+            raise ConfigError(f"max_response_length must be >= 1, got {self.max_response_length}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.kv_cache_tokens < 1:
+            raise ConfigError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")

@@ -1,0 +1,132 @@
+"""The rollout engine interface shared by every backend.
+
+Tail batching depends on a few observable behaviours of an engine, and every
+backend (the PyTorch reference engine, SGLang, the simulator's modeled engine)
+provides exactly these: continuous batching, per-request completion as soon
+as a request finishes, abort by id, a KV budget that can preempt, weight
+update by HF parameter name, memory release/resume by tag, and live stats.
+
+The interface is poll-driven so that the same scheduler code runs against a
+real engine in real time and a modeled engine on a virtual clock: ``poll``
+advances the engine (one or more decode steps, or up to the next simulated
+event) and returns the requests that finished meanwhile.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the engine keeps serving the others."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise RequestError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    input_ids: Sequence[int]
+    params: SamplingParams
+
+
+@dataclass
+class Completion:
+    request_id: str
+    output_ids: list[int]
+    logprobs: list[float]  # log p of each output token under the sampling distribution's model
+    finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
+    submitted_at: float = 0.0
+    finished_at: float = 0.0
+    engine_id: int = 0
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_capacity: int = 0
+    preemptions: int = 0
+    tokens_generated: int = 0
+    busy_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(abc.ABC):
+    """One rollout engine (possibly spanning a tensor-parallel group of ranks).
+
+    Methods are called on the engine's leader; followers of a TP group are
+    driven by the backend itself.
+    """
+
+    engine_id: int = 0
+
+    @abc.abstractmethod
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queue requests. Invalid ones raise ``RequestError`` naming the request."""
+
+    @abc.abstractmethod
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
+        """Advance the engine and return requests finished since the last poll.
+
+        Aborted requests are not returned. ``timeout`` bounds how long a
+        real-time backend may block waiting for a completion.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop the requests now and free their KV; they never complete."""
+
+    def abort_all(self) -> None:
+        self.abort(self.active_request_ids())
+
+    @abc.abstractmethod
+    def active_request_ids(self) -> list[str]:
+        """Requests submitted and neither finished, polled nor aborted."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors by HF name in place, without restart."""
+
+    @abc.abstractmethod
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free device memory by tag; requires an idle engine."""
+
+    @abc.abstractmethod
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Re-allocate what ``release_memory`` freed."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats:
+        ...
+
+    def shutdown(self) -> None:
+        """Release every resource the engine holds."""

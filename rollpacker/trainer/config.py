@@ -1,0 +1,42 @@
+"""Configuration of the trainer (GRPO on Megatron-core)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rollpacker.configlib import ConfigError
+
+
+@dataclass
+class TrainerConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    std_normalize: bool = True
+    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    micro_batch_tokens: int = 8192
+    params_dtype: Literal["fp32", "bf16"] = "bf16"
+    stream: bool = True  # stream trainer in long rounds
+    stream_trigger_low: float = 0.2  # fraction of requests done before the hand-off may fire
+    stream_trigger_high: float = 0.5
+    old_logprobs: Literal["recompute", "engine"] = "recompute"
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ConfigError("clip_low and clip_high must be >= 0")
+        if not 0 < self.stream_trigger_low <= self.stream_trigger_high < 1:
+            raise ConfigError("need 0 < stream_trigger_low <= stream_trigger_high < 1")
