@@ -126,6 +126,11 @@ def _coerce(tp: Any, value: Any, path: str, source: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{source}: {path} must be {tp.__name__}, got bool {value!r}")
     if isinstance(tp, type) and not isinstance(value, tp):
