@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# RollPacker on Slurm: one torchrun per node, c10d rendezvous on the first node.
+#
+#   sbatch --nodes=2 --gpus-per-node=8 launch/train.sh configs/qwen2.5-7b.yaml [key=value ...]
+#   sbatch --wait launch/train.sh configs/tiny-cpu.yaml run.steps=4         # CPU nodes
+#
+# Environment knobs: NPROC_PER_NODE (default: the node's GPUs, or 2 without GPUs),
+# MASTER_PORT (default derived from the job id), MAX_RESTARTS (default 3: a crashed
+# rank restarts the job's workers, which resume from the latest checkpoint).
+#SBATCH --job-name=rollpacker
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=slurm-%j.out
+set -euo pipefail
+
+config=${1:?usage: sbatch launch/train.sh CONFIG.yaml [section.key=value ...]}
+shift
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes[0]}
+port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+if gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); then :; else gpus=0; fi
+nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
+
+echo "rollpacker: ${#nodes[@]} node(s) x ${nproc} ranks, rendezvous ${head_node}:${port}, config ${config}"
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+  python -m torch.distributed.run \
+    --nnodes="${SLURM_JOB_NUM_NODES}" --nproc_per_node="${nproc}" \
+    --rdzv_backend=c10d --rdzv_endpoint="${head_node}:${port}" --rdzv_id="${SLURM_JOB_ID}" \
+    --max-restarts="${MAX_RESTARTS:-3}" \
+    -m rollpacker.train --config "${config}" "$@"

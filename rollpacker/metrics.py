@@ -1,0 +1,141 @@
+"""Step metrics (metrics.jsonl + W&B) and the per-step timeline of what every rank did.
+
+Each rank records spans (phase name, start, end) on its own ``Timeline``; at
+the end of a step they are gathered to rank 0, which draws one image per step
+(one row per rank, one colour per phase) into ``RUN_DIR/timeline/`` and logs
+it to W&B beside the step's scalars. Only rank 0 writes anything.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+PHASE_COLOURS = {
+    "rollout": "#4C72B0", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
+    "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860",
+    "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974",
+}
+
+
+@dataclass
+class Span:
+    rank: int
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    rank: int
+    spans: list[Span] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(self.rank, phase, start, time.time()))
+
+    def record(self, phase: str, start: float, end: float) -> None:
+        self.spans.append(Span(self.rank, phase, start, end))
+
+    def gather(self, group: dist.ProcessGroup | None = None) -> list[Span]:
+        """Collective: every rank's spans for the step, on rank 0 (empty elsewhere); resets."""
+        mine, self.spans = self.spans, []
+        if not dist.is_initialized():
+            return mine
+        out: list[list[Span]] | None = [None] * dist.get_world_size(group) if self.rank == 0 else None
+        dist.gather_object(mine, out, dst=0, group=group)
+        return [s for spans in (out or []) for s in spans]
+
+
+def plot_timeline(spans: list[Span], path: Path, title: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(s.start for s in spans)
+    ranks = sorted({s.rank for s in spans})
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.2))
+    for s in spans:
+        ax.broken_barh([(s.start - t0, max(s.end - s.start, 1e-3))], (s.rank - 0.4, 0.8),
+                       color=PHASE_COLOURS.get(s.phase, "#999999"))
+    used = sorted({s.phase for s in spans})
+    ax.legend(handles=[matplotlib.patches.Patch(color=PHASE_COLOURS.get(p, "#999999"), label=p) for p in used],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(used), 6), frameon=False)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since step start")
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+class MetricsLogger:
+    """Writes one JSON line per step and mirrors it to W&B (offline unless configured)."""
+
+    def __init__(self, run_dir: Path, *, rank: int, wandb_mode: str, project: str, name: str,
+                 config: dict[str, Any] | None = None, resume_step: int | None = None):
+        self.run_dir, self.rank = Path(run_dir), rank
+        self._wandb = None
+        if rank != 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        if wandb_mode != "disabled":
+            import wandb
+            self._wandb = wandb.init(project=project, name=name, dir=str(self.run_dir), mode=wandb_mode,
+                                     config=config, id=_wandb_id(self.run_dir), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, Any], timeline: Path | None = None) -> None:
+        if self.rank != 0:
+            return
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            import wandb
+            payload = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            if timeline is not None:
+                payload["timeline"] = wandb.Image(str(timeline))
+            self._wandb.log(payload, step=step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run rewrites the steps after its checkpoint; drop their stale lines."""
+        keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable W&B run id per run directory, so a resumed job appends to the same run."""
+    id_file = run_dir / "wandb_id"
+    if not id_file.exists():
+        import wandb
+        id_file.write_text(wandb.util.generate_id())
+    return id_file.read_text().strip()
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

@@ -1,0 +1,84 @@
+"""Phase hand-offs between rollout and training on the same devices.
+
+One explicit state machine per rank. The trainer and the rollout engines
+share the accelerator, so each phase keeps only its own memory resident::
+
+    LOADED --> ROLLOUT --> TRAIN --> SYNC --> ROLLOUT --> ...
+       trainer offloaded   engines released   engine weights back   KV back,
+                           trainer onloaded   (for the weight push) trainer offloaded
+
+Every hand-off is a fixed list of actions; each is timed and put on the
+rank's timeline. On CPU the actions are cheap no-ops inside the backends, but
+they are still called and logged, so the CPU run exercises the GPU sequence.
+Any transition not in the table is a bug and raises.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import Callable, Protocol, Sequence
+
+from rollpacker.metrics import Timeline
+from rollpacker.rollout.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = ("weights",)
+CACHE = ("kv_cache", "cuda_graph")
+
+
+class Offloadable(Protocol):
+    def offload(self) -> None: ...
+    def onload(self) -> None: ...
+
+
+class Phase(enum.Enum):
+    LOADED = "loaded"  # after build: everything resident
+    ROLLOUT = "rollout"
+    TRAIN = "train"
+    SYNC = "sync"
+
+
+class PhaseError(RuntimeError):
+    pass
+
+
+class PhaseMachine:
+    def __init__(self, trainer: Offloadable, engines: Callable[[], Sequence[RolloutEngine]], timeline: Timeline):
+        """``engines`` returns the engines this rank leads in the current layout (may change per round)."""
+        self.trainer, self.engines, self.timeline = trainer, engines, timeline
+        self.phase = Phase.LOADED
+        self.seconds: dict[str, float] = {}
+        self._table: dict[tuple[Phase, Phase], list[tuple[str, Callable[[], None]]]] = {
+            (Phase.LOADED, Phase.ROLLOUT): [("offload", self.trainer.offload)],
+            (Phase.ROLLOUT, Phase.TRAIN): [("offload", lambda: self._engines("release_memory", WEIGHTS + CACHE)),
+                                           ("onload", self.trainer.onload)],
+            (Phase.TRAIN, Phase.SYNC): [("onload", lambda: self._engines("resume_memory", WEIGHTS))],
+            (Phase.SYNC, Phase.ROLLOUT): [("offload", self.trainer.offload),
+                                          ("onload", lambda: self._engines("resume_memory", CACHE))],
+        }
+
+    def to(self, target: Phase) -> None:
+        if target is self.phase:
+            return
+        actions = self._table.get((self.phase, target))
+        if actions is None:
+            raise PhaseError(f"no hand-off from {self.phase.value} to {target.value}")
+        for name, action in actions:
+            start = time.time()
+            action()
+            end = time.time()
+            self.timeline.record(name, start, end)
+            key = f"handoff/{self.phase.value}_to_{target.value}/{name}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + end - start
+        log.debug("phase %s -> %s", self.phase.value, target.value)
+        self.phase = target
+
+    def pop_seconds(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+    def _engines(self, method: str, tags: Sequence[str]) -> None:
+        for engine in self.engines():
+            getattr(engine, method)(list(tags))
