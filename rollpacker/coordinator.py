@@ -50,38 +50,41 @@ def exchange_endpoints(group: dist.ProcessGroup | None = None) -> list[Endpoint]
 
 
 class EngineServer:
-    """Serves one local engine to the coordinator until told to stop."""
+    """Serves this rank's engine of the current round to the coordinator.
 
-    def __init__(self, engine: RolloutEngine, address: str):
-        self.engine = engine
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
+    The socket is bound once per rank; each rollout round calls ``serve``
+    with the engine this rank leads in that round's layout.
+    """
+
+    def __init__(self, address: str):
+        self._sock = zmq.Context.instance().socket(zmq.REP)
         self._sock.bind(f"tcp://*:{address.rsplit(':', 1)[1]}")
         self._done: list[Completion] = []
 
-    def serve(self) -> None:
+    def serve(self, engine: RolloutEngine) -> None:
+        """Step ``engine`` whenever it has work, answer messages between steps, until told to stop."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while True:
-            busy = bool(self.engine.active_request_ids())
+            busy = bool(engine.active_request_ids())
             if poller.poll(0 if busy else 50):
                 method, args = self._sock.recv_pyobj()
                 if method == _STOP:
                     self._sock.send_pyobj(("ok", None))
                     return
-                self._sock.send_pyobj(self._handle(method, args))
+                self._sock.send_pyobj(self._handle(engine, method, args))
             if busy:
-                self._done.extend(self.engine.poll(0.0))
+                self._done.extend(engine.poll(0.0))
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
-    def _handle(self, method: str, args: tuple) -> tuple[str, Any]:
+    def _handle(self, engine: RolloutEngine, method: str, args: tuple) -> tuple[str, Any]:
         try:
             if method == "poll":
                 out, self._done = self._done, []
                 return "ok", out
-            return "ok", getattr(self.engine, method)(*args)
+            return "ok", getattr(engine, method)(*args)
         except RequestError as exc:
             return "request_error", str(exc)
         except Exception as exc:  # surfaced on the coordinator, with the engine's rank

@@ -1,0 +1,83 @@
+"""The SPMD job's process groups: one rollout layout per TP size, one training layout.
+
+All groups are created once at start-up (every rank must take part in every
+``new_group`` call) and switched between phases. A rollout layout of TP size
+``t`` splits the ranks into consecutive blocks of ``t``; each block is one
+engine led by its first rank, and a block never spans nodes. The rollout
+layouts are plain ``torch.distributed`` groups held here and passed
+explicitly; Megatron's ``parallel_state`` globals describe the training
+layout only.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    tp: int
+    engine_id: int  # the engine this rank belongs to
+    leader: int  # global rank of that engine's leader
+    members: tuple[int, ...]  # global ranks of that engine, leader first
+    group: dist.ProcessGroup | None  # the engine's TP group (None at tp=1)
+    leaders: tuple[int, ...]  # leader rank of every engine, by engine id
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == self.leader
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.leaders)
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_size: int  # ranks per node
+    device: torch.device
+    rollout: dict[int, RolloutLayout] = field(default_factory=dict)
+
+    @classmethod
+    def init(cls, threads_per_rank: int = 1) -> "World":
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            torch.set_num_threads(threads_per_rank)
+            device = torch.device("cpu")
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_size=local_size, device=device)
+
+    def build_rollout_layouts(self, tp_sizes: set[int] | list[int]) -> None:
+        """Collective: create the engine groups of every TP size the planner may choose."""
+        for tp in sorted(set(tp_sizes)):
+            if self.size % tp or (self.local_size % tp and self.local_size >= tp):
+                raise ValueError(f"rollout TP {tp} must divide the world size {self.size} and the ranks "
+                                 f"per node {self.local_size} (a TP group never spans nodes)")
+            blocks = [tuple(range(start, start + tp)) for start in range(0, self.size, tp)]
+            mine = None
+            for engine_id, block in enumerate(blocks):
+                group = dist.new_group(list(block)) if tp > 1 else None  # every rank joins every new_group call
+                if self.rank in block:
+                    mine = (engine_id, block, group)
+            engine_id, block, group = mine
+            self.rollout[tp] = RolloutLayout(tp=tp, engine_id=engine_id, leader=block[0], members=block,
+                                             group=group, leaders=tuple(b[0] for b in blocks))
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
