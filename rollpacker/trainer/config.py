@@ -22,6 +22,7 @@ class TrainerConfig:
     clip_high: float = 0.28
     kl_coef: float = 0.0
     std_normalize: bool = True
+    adv_eps: float = 1e-6  # added to the group's reward std before dividing
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     micro_batch_tokens: int = 8192
     params_dtype: Literal["fp32", "bf16"] = "bf16"
@@ -36,7 +37,18 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ConfigError("clip_low and clip_high must be >= 0")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={self.clip_low}, "
+                              f"clip_high={self.clip_high}")
+        if self.adv_eps <= 0:
+            raise ConfigError(f"adv_eps must be > 0, got {self.adv_eps}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
+            raise ConfigError("adam_beta1 and adam_beta2 must be in [0, 1)")
         if not 0 < self.stream_trigger_low <= self.stream_trigger_high < 1:
             raise ConfigError("need 0 < stream_trigger_low <= stream_trigger_high < 1")

@@ -1,0 +1,184 @@
+"""What a training backend must provide, and the parts every backend shares.
+
+A backend owns one rank's Megatron model shard, its gradients and its
+optimizer. The trainer drives it in one fixed pattern per optimizer step::
+
+    zero_grad()
+    forward_backward(micro_batches, loss_fn)   # any number of times; no DP traffic
+    reduce_grads(scale)                        # DP sum, then * scale (1 / global count)
+    step()                                     # clip, skip on NaN/Inf, update
+
+Only two things differ between backends: how micro-batches are scheduled
+(Megatron's pipeline schedules on GPU, a plain loop on CPU) and which
+optimizer holds the state (Megatron's distributed optimizer on GPU, torch
+AdamW on CPU). The loss (:func:`micro_batch_loss`), the micro-batch layout,
+the normalisation and the stream accounting live outside the backends.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from megatron_ext.logprobs import token_entropy, token_logprobs
+from megatron_ext.parallel import ParallelLayout
+from megatron_ext.weights import unwrap
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.grpo import LossSums, grpo_token_loss
+from rollpacker.trainer.packing import Layout, MicroBatch
+
+# (micro-batch, logits of its last stage) -> (scalar to differentiate, detached result)
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool  # False: NaN/Inf found, weights and optimizer state left as they were
+    grad_norm: float  # global L2 norm before clipping (NaN/Inf when the step was skipped)
+
+
+def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig, tp_group: dist.ProcessGroup,
+                     vocab_size: int) -> tuple[torch.Tensor, LossSums]:
+    """GRPO loss of one micro-batch from its vocab-parallel logits ``[b, s, V/tp]``."""
+    logprobs = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size)
+    with torch.no_grad():
+        entropy = token_entropy(logits, tp_group, vocab_size=vocab_size)
+    old = None
+    if cfg.old_logprobs == "engine":
+        missing = (mb.loss_mask > 0) & torch.isnan(mb.rollout_logprobs)
+        if bool(missing.any()):
+            raise ValueError("trainer.old_logprobs=engine, but some response tokens have no rollout log-prob; "
+                             "use old_logprobs=recompute or make the engine return log-probs")
+        old = torch.nan_to_num(mb.rollout_logprobs, nan=0.0)
+    sums = grpo_token_loss(
+        logprobs, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, old_logprobs=old, ref_logprobs=mb.ref_logprobs,
+        kl_coef=cfg.kl_coef, entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
+        sequence_starts=mb.sequence_starts)
+    return sums.objective, sums.detached()
+
+
+def logprobs_only(mb: MicroBatch, logits: torch.Tensor, *, tp_group: dist.ProcessGroup,
+                  vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position log-prob of the label (the reference policy's), for a forward-only pass."""
+    logprobs = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size).detach()
+    return torch.zeros((), device=logits.device), logprobs
+
+
+class Backend(abc.ABC):
+    """One rank's model shard + gradients + optimizer (see the module docstring)."""
+
+    layout: ParallelLayout
+    model: torch.nn.Module  # the unwrapped GPTModel shard (HF conversion reads it)
+    micro_batch_layout: Layout
+    pad_multiple: int
+
+    @property
+    def vocab_size(self) -> int:
+        """The real (HF) vocabulary; the model's output layer is padded beyond it."""
+        return unwrap(self.model).hf_spec.vocab_size
+
+    @abc.abstractmethod
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[Any]:
+        """Run ``loss_fn`` on every micro-batch (backward too unless ``forward_only``),
+        accumulating gradients locally. Returns the detached results on the last
+        pipeline stage, an empty list elsewhere."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def reduce_grads(self, scale: float) -> None:
+        """Sum gradients over the data-parallel replicas, then multiply them by ``scale``."""
+
+    @abc.abstractmethod
+    def step(self) -> StepResult:
+        """Clip to ``grad_clip`` and update, unless the global gradient norm is NaN/Inf."""
+
+    @abc.abstractmethod
+    def optimizer_state_dict(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def _move_state(self, to_host: bool) -> None:
+        """Move params, grads and optimizer state to host (``to_host``) or back."""
+
+    def offload(self) -> float:
+        """Release device memory between phases; returns the seconds it took."""
+        return self._timed(lambda: self._move_state(True))
+
+    def onload(self) -> float:
+        return self._timed(lambda: self._move_state(False))
+
+    def _timed(self, fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        if self.layout.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def params_to_host(self) -> dict[str, torch.Tensor]:
+        """A host copy of this rank's parameter shard, by Megatron parameter name."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_params(self, host: dict[str, torch.Tensor]) -> None:
+        """Copy a shard from :meth:`params_to_host` into the model's parameters, in place."""
+        params = dict(self.model.named_parameters())
+        if params.keys() != host.keys():
+            raise ValueError(f"parameter names differ: missing {sorted(params.keys() - host.keys())[:3]}, "
+                             f"unexpected {sorted(host.keys() - params.keys())[:3]}")
+        for name, p in params.items():
+            p.copy_(host[name])
+
+    def rng_state(self) -> dict[str, Any]:
+        """Every RNG stream a step can draw from: torch's, the device's and Megatron's tracked ones."""
+        state = {"cpu": torch.get_rng_state(), "megatron": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        if self.layout.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+        if self.layout.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"])
+
+    @contextlib.contextmanager
+    def swapped_params(self, host: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Temporarily run with other weights (the reference policy) in the same model.
+
+        The current weights go to host and come back bit-identical, so no
+        second model is ever resident on the device.
+        """
+        current = self.params_to_host()
+        self.load_params(host)
+        try:
+            yield
+        finally:
+            self.load_params(current)
+
+
+def global_grad_norm(grads: list[torch.Tensor], is_duplicate: list[bool], layout: ParallelLayout) -> float:
+    """L2 norm of the full model's gradient from this rank's shard.
+
+    Parameters replicated over TP (norms, biases of row-parallel layers) are
+    counted on TP rank 0 only; the squares are summed over TP and PP.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=layout.device)
+    for g, dup in zip(grads, is_duplicate):
+        if not dup:
+            total += g.detach().double().pow(2).sum()
+    for group, size in ((layout.tp_group, layout.tp), (layout.pp_group, layout.pp)):
+        if size > 1:
+            dist.all_reduce(total, group=group)
+    return float(total.sqrt())

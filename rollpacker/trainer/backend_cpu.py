@@ -1,0 +1,99 @@
+"""CPU backend: the Megatron model with a plain micro-batch loop and torch AdamW.
+
+Megatron's schedules and optimizers allocate CUDA buffers (PLATFORM.md), so
+this backend replaces exactly those two pieces and keeps the rest: the same
+``GPTModel`` shard, the same loss, the same normalisation. Its AdamW is
+configured the way ``get_megatron_optimizer`` configures Adam — decoupled
+weight decay, none on biases and 1-D parameters, clipping by the global norm
+with Megatron's ``max_norm / (norm + 1e-6)`` coefficient — so that a
+hyper-parameter means the same thing on both backends.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.parallel import ParallelLayout
+from rollpacker.trainer.backend import Backend, LossFn, StepResult, global_grad_norm
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.packing import MicroBatch
+
+
+def _no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return param.dim() == 1 or name.endswith(".bias")
+
+
+def _is_tp_duplicate(param: torch.nn.Parameter, layout: ParallelLayout) -> bool:
+    return not getattr(param, "tensor_model_parallel", False) and layout.tp_rank != 0
+
+
+class CpuBackend(Backend):
+    micro_batch_layout = "padded"
+    pad_multiple = 1
+
+    def __init__(self, model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig):
+        if layout.pp > 1 or layout.cp > 1:
+            raise ValueError(f"the CPU backend runs tensor and data parallelism only; got trainer.pp={layout.pp}, "
+                             f"trainer.cp={layout.cp} (set both to 1 on CPU)")
+        self.model, self.layout, self.cfg = model, layout, cfg
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        groups = [
+            {"params": [p for n, p in named if not _no_weight_decay(n, p)], "weight_decay": cfg.weight_decay},
+            {"params": [p for n, p in named if _no_weight_decay(n, p)], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                           eps=cfg.adam_eps)
+        self._duplicate = [_is_tp_duplicate(p, layout) for p in self._params]
+
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[Any]:
+        results = []
+        self.model.train(not forward_only)
+        for mb in micro_batches:
+            with torch.set_grad_enabled(not forward_only):
+                # right padding + causal attention: no real token attends to padding
+                logits = self.model(mb.input_ids, mb.position_ids, attention_mask=None)
+                loss, result = loss_fn(mb, logits)
+                if not forward_only:
+                    loss.backward()
+            results.append(result)
+        return results
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
+    def reduce_grads(self, scale: float) -> None:
+        flat = torch.cat([p.grad.reshape(-1) for p in self._params])
+        if self.layout.dp > 1:
+            dist.all_reduce(flat, group=self.layout.dp_group)
+        flat.mul_(scale)
+        offset = 0
+        for p in self._params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        norm = global_grad_norm([p.grad for p in self._params], self._duplicate, self.layout)
+        if not torch.isfinite(torch.tensor(norm)):
+            return StepResult(applied=False, grad_norm=norm)
+        coeff = self.cfg.grad_clip / (norm + 1e-6)
+        if self.cfg.grad_clip > 0 and coeff < 1.0:
+            for p in self._params:
+                p.grad.mul_(coeff)
+        self.optimizer.step()
+        return StepResult(applied=True, grad_norm=norm)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _move_state(self, to_host: bool) -> None:
+        """Everything already lives on the host; kept so phases are timed the same way."""

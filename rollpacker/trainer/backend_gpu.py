@@ -1,0 +1,141 @@
+"""GPU backend: Megatron DDP, the distributed optimizer and Megatron's pipeline schedules.
+
+Written against megatron-core 0.16.1. Three settings make Megatron's machinery
+compute exactly the trainer's sum-then-normalise objective (grpo.py):
+
+* ``calculate_per_token_loss=True``: the schedules neither divide a
+  micro-batch's loss by its token count nor by the number of micro-batches,
+  and DDP sums (does not average) gradients over data-parallel replicas;
+* ``finalize_model_grads_func=None`` with ``no_sync_func=ddp.no_sync`` and
+  ``overlap_grad_reduce=False``: ``forward_backward_func`` only accumulates
+  into the local gradient buffers, so any number of calls (one per streamed
+  prompt group) can precede the single DP reduction in :meth:`reduce_grads`;
+* ``variable_seq_lengths=True``: packed (THD) micro-batches differ in length,
+  so pipeline stages exchange shapes before activations.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_ext.parallel import ParallelLayout
+from rollpacker.trainer.backend import Backend, LossFn, StepResult
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.packing import MicroBatch
+
+
+def packed_seq_params(mb: MicroBatch) -> PackedSeqParams:
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens_unpadded, cu_seqlens_kv=mb.cu_seqlens_unpadded,
+        cu_seqlens_q_padded=mb.cu_seqlens, cu_seqlens_kv_padded=mb.cu_seqlens,
+        max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+
+
+class GpuBackend(Backend):
+    micro_batch_layout = "thd"
+
+    def __init__(self, model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig):
+        self.model, self.layout, self.cfg = model, layout, cfg
+        # Context parallelism splits every sequence into 2*cp chunks.
+        self.pad_multiple = 2 * layout.cp if layout.cp > 1 else 1
+        bf16 = cfg.params_dtype == "bf16"
+        config = model.config
+        config.calculate_per_token_loss = True
+        config.variable_seq_lengths = True
+        self.ddp = DistributedDataParallel(
+            config=config, module=model, pg_collection=layout.pg_collection,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True))
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+                            clip_grad=cfg.grad_clip, bf16=bf16,
+                            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                            use_distributed_optimizer=True),
+            [self.ddp], pg_collection=layout.pg_collection, use_gloo_process_groups=False)
+        # Megatron's groups carry wd_mult (0 for biases and 1-D params); its LR scheduler
+        # normally applies it each step. The schedule here is constant, so apply it once.
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+        config.grad_scale_func = self.optimizer.scale_loss
+        config.no_sync_func = self.ddp.no_sync
+        config.finalize_model_grads_func = None
+        self._forward_backward_func = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
+
+    def _forward_step(self, loss_fn: LossFn, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+        mb = next(data_iterator).to(self.layout.device)
+        output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=packed_seq_params(mb))
+
+        def loss_func(logits: torch.Tensor):
+            loss, result = loss_fn(mb, logits)
+            tokens = torch.tensor(mb.num_tokens, dtype=torch.int, device=logits.device)
+            return loss, tokens, {"result": result}
+
+        return output, loss_func
+
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[Any]:
+        if not micro_batches:
+            return []
+        self.ddp.train(not forward_only)
+        store = self._forward_backward_func(
+            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
+            model=[self.ddp], num_microbatches=len(micro_batches),
+            seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
+            forward_only=forward_only, pg_collection=self.layout.pg_collection)
+        return [out["result"] for out in store] if self.layout.is_last_stage else []
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def reduce_grads(self, scale: float) -> None:
+        # DP reduce-scatter (distributed optimizer), tied-embedding sync over PP, then the one scaling
+        finalize_model_grads([self.ddp], num_tokens=None, pg_collection=self.layout.pg_collection)
+        self.ddp.scale_gradients(scale)
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        # Megatron's bf16 step has no NaN guard (only fp16 loss scaling skips), so look first;
+        # prepare_grads only copies model grads to the main-grad shards and may run twice.
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            return StepResult(applied=False, grad_norm=norm)
+        applied, norm, _ = self.optimizer.step()
+        return StepResult(applied=bool(applied), grad_norm=float(norm))
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return {"chained": [{"common": o.state_dict(), "param_state": o.get_parameter_state_dp_reshardable()}
+                            for o in self.optimizer.chained_optimizers]}
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        chained = self.optimizer.chained_optimizers
+        if len(state["chained"]) != len(chained):
+            raise ValueError(f"optimizer checkpoint has {len(state['chained'])} optimizers, the model {len(chained)}")
+        for o, s in zip(chained, state["chained"]):
+            o.load_state_dict(s["common"])
+            o.load_parameter_state_from_dp_reshardable(s["param_state"])
+
+    def _move_state(self, to_host: bool) -> None:
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        if to_host:
+            torch.cuda.synchronize()
+            for buf in buffers:
+                buf.offload_to_cpu(move_params=True, move_grads=True)
+            self.optimizer.offload_to_cpu()
+            torch.cuda.empty_cache()
+        else:
+            for buf in buffers:
+                buf.reload_from_cpu(move_params=True, move_grads=True)
+            self.optimizer.restore_from_cpu()

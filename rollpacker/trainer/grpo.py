@@ -1,0 +1,178 @@
+"""The GRPO objective as pure tensor math (no Megatron, no process groups).
+
+Aggregation is split in two so that one optimizer step can be assembled from
+any number of micro-batches on any number of data-parallel ranks, in any
+order (the stream trainer relies on this):
+
+* each micro-batch contributes an *unnormalised sum* ``sum_t w_t * loss_t``,
+  where the token weight ``w_t`` is 1 for ``token_mean`` and ``1/len(seq)``
+  for ``seq_mean``;
+* after every micro-batch of the step has been seen and the sums (and their
+  gradients) have been added across ranks, the total is divided once by the
+  step's global denominator: the true number of response tokens
+  (``token_mean``) or of sequences (``seq_mean``).
+
+Because differentiation is linear, dividing the summed gradient by the
+denominator gives exactly the gradient of the normalised loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean"]
+
+
+def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of one prompt group: ``r - mean(r)``, optionally divided by ``std(r) + eps``.
+
+    The std is the unbiased sample std, as in GRPO; a group of one response
+    has no baseline to compare against and gets advantage 0.
+    """
+    if rewards.dim() != 1 or rewards.numel() == 0:
+        raise ValueError(f"rewards of one group must be a non-empty 1-D tensor, got shape {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float64)
+    if rewards.numel() == 1:
+        return torch.zeros_like(rewards)
+    centred = rewards - rewards.mean()
+    if std_normalize:
+        centred = centred / (rewards.std(unbiased=True) + eps)
+    return centred
+
+
+def token_weights(response_lengths: list[int], aggregation: Aggregation) -> list[float]:
+    """The per-token weight of each sequence: 1 (token mean) or 1/len (sequence mean)."""
+    if aggregation == "token_mean":
+        return [1.0] * len(response_lengths)
+    if aggregation == "seq_mean":
+        return [1.0 / n for n in response_lengths]
+    raise ValueError(f"loss aggregation must be 'token_mean' or 'seq_mean', got {aggregation!r}")
+
+
+def denominator(num_tokens: int, num_sequences: int, aggregation: Aggregation) -> int:
+    """The global count a step's summed loss is divided by."""
+    return num_tokens if aggregation == "token_mean" else num_sequences
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(d) - d - 1`` with ``d = ref - logp`` (>= 0)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass
+class LossSums:
+    """Unnormalised sums over the tokens of one or more micro-batches.
+
+    ``objective`` carries the autograd graph (weighted by the aggregation
+    weights); every other field is a detached per-token sum used for metrics,
+    normalised by the token count at the end of the step.
+    """
+
+    objective: torch.Tensor
+    pg_loss: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    clipped: torch.Tensor
+    logprob_mismatch: torch.Tensor  # |logp - rollout logp|, over tokens that have a rollout logp
+    mismatch_tokens: torch.Tensor
+    tokens: torch.Tensor
+    sequences: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu") -> "LossSums":
+        return cls(**{f.name: torch.zeros((), dtype=torch.float64, device=device) for f in fields(cls)})
+
+    def detached(self) -> "LossSums":
+        return LossSums(**{f.name: getattr(self, f.name).detach().to(torch.float64) for f in fields(self)})
+
+    def __add__(self, other: "LossSums") -> "LossSums":
+        return LossSums(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def as_vector(self) -> torch.Tensor:
+        """All fields as one float64 vector (for a single all-reduce)."""
+        return torch.stack([getattr(self, f.name).detach().to(torch.float64).reshape(()) for f in fields(self)])
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor) -> "LossSums":
+        return cls(**{f.name: vec[i] for i, f in enumerate(fields(cls))})
+
+
+def grpo_token_loss(
+    logprobs: torch.Tensor,
+    *,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    weights: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    sequence_starts: torch.Tensor | None = None,
+) -> LossSums:
+    """Clipped-surrogate GRPO loss summed over the tokens selected by ``loss_mask``.
+
+    All tensors share one shape (any layout: padded ``[b, s]`` or packed
+    ``[1, t]``). ``old_logprobs=None`` means the behaviour policy is the
+    current weights (one optimizer step per batch), i.e. ``logprobs.detach()``:
+    the ratio is 1 and its gradient ``-A * grad(logp)``.
+
+    The per-token loss is ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``
+    plus ``kl_coef * k3(logp, ref)``. ``rollout_logprobs`` (NaN where missing)
+    only feeds the mismatch metric. ``sequence_starts`` marks one token per
+    sequence (its first response token), to count sequences.
+    """
+    mask = loss_mask.to(logprobs.dtype)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old)
+    adv = advantages.to(logprobs.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    pg_sum = (per_token * mask).sum()
+    kl_tok = torch.zeros_like(per_token)
+    if kl_coef > 0.0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl_tok = k3_kl(logprobs, ref_logprobs.to(logprobs.dtype))
+        per_token = per_token + kl_coef * kl_tok
+    objective = (per_token * weights.to(logprobs.dtype) * mask).sum()
+
+    sums = LossSums.zeros(logprobs.device)
+    sums.objective = objective
+    sums.pg_loss = pg_sum.detach().double()
+    sums.kl = (kl_tok.detach() * mask).sum().double()
+    if entropy is not None:
+        sums.entropy = (entropy.detach() * mask).sum().double()
+    sums.clipped = ((clipped.detach() > unclipped.detach()).to(mask.dtype) * mask).sum().double()
+    if rollout_logprobs is not None:
+        have = mask * (~torch.isnan(rollout_logprobs)).to(mask.dtype)
+        diff = torch.nan_to_num((logprobs.detach() - rollout_logprobs.to(logprobs.dtype)).abs(), nan=0.0)
+        sums.logprob_mismatch = (diff * have).sum().double()
+        sums.mismatch_tokens = have.sum().double()
+    sums.tokens = mask.sum().double()
+    if sequence_starts is not None:
+        sums.sequences = sequence_starts.to(torch.float64).sum()
+    return sums
+
+
+def step_metrics(sums: LossSums, aggregation: Aggregation) -> dict[str, float]:
+    """Metrics of one step from its globally summed ``LossSums``."""
+    tokens = max(float(sums.tokens), 1.0)
+    denom = max(float(denominator(int(sums.tokens), int(sums.sequences), aggregation)), 1.0)
+    mism = float(sums.mismatch_tokens)
+    return {
+        "loss": float(sums.objective) / denom,
+        "pg_loss": float(sums.pg_loss) / tokens,
+        "kl": float(sums.kl) / tokens,
+        "entropy": float(sums.entropy) / tokens,
+        "clip_frac": float(sums.clipped) / tokens,
+        "logprob_mismatch": float(sums.logprob_mismatch) / mism if mism > 0 else float("nan"),
+        "tokens": int(sums.tokens),
+        "sequences": int(sums.sequences),
+    }

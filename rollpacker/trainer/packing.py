@@ -1,0 +1,175 @@
+"""Samples -> micro-batches: balancing across data-parallel ranks, packing by a token budget.
+
+Everything here is deterministic (ties broken by input order), so every rank
+of a replica computes the same split from the same list without talking.
+
+Two layouts carry identical numerics, differing only in where padding sits:
+
+* ``thd`` (GPU): all sequences of a micro-batch concatenated into one row
+  ``[1, T]``, with ``cu_seqlens`` for the varlen attention kernels; the
+  backend wraps them into Megatron's ``PackedSeqParams``;
+* ``padded`` (CPU, where no varlen kernel exists): one right-padded row per
+  sequence ``[B, S]``; causal attention never lets a real token see the
+  padding, and the padding is masked out of the loss.
+
+Token ``i`` of a row is trained to predict token ``i+1``, so the loss mask
+covers the positions whose *next* token is a response token.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from rollpacker.sample import Sample
+from rollpacker.trainer.grpo import Aggregation, token_weights
+
+Layout = Literal["padded", "thd"]
+
+
+def sequence_length(sample: Sample) -> int:
+    """Tokens a sample occupies in a micro-batch (its compute cost)."""
+    return len(sample.prompt.input_ids) + len(sample.response_ids)
+
+
+def balance(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    """Split item indices over ``num_bins`` bins with near-equal total length.
+
+    Longest-processing-time greedy: items by decreasing length go to the
+    lightest bin (lowest index on ties). Each bin lists its indices in input
+    order. The heaviest bin exceeds the mean load by less than the longest item.
+    """
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    heap = [(0, b) for b in range(num_bins)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + lengths[i], b))
+    return [sorted(b) for b in bins]
+
+
+def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group item indices into micro-batches of at most ``budget`` tokens (first-fit decreasing).
+
+    An item longer than the budget gets a micro-batch of its own: the budget
+    bounds packing, it never drops or truncates a sequence.
+    """
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                batches[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            batches.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in batches]
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's worth of sequences, all per-token tensors of one shape."""
+
+    input_ids: torch.Tensor  # long
+    position_ids: torch.Tensor  # long
+    labels: torch.Tensor  # long, next token (0 where masked)
+    loss_mask: torch.Tensor  # float, 1 where the next token is a response token
+    advantages: torch.Tensor  # float64, the sequence's advantage on every position
+    weights: torch.Tensor  # float64, aggregation weight per position
+    rollout_logprobs: torch.Tensor  # float64, engine log-prob of the next token (NaN if none)
+    sequence_starts: torch.Tensor  # float, 1 on the first loss position of each sequence
+    layout: Layout
+    cu_seqlens: torch.Tensor | None  # int32 [n+1] (thd only), offsets of padded sequences
+    cu_seqlens_unpadded: torch.Tensor | None  # int32 [n+1] (thd only), true lengths
+    max_seqlen: int
+    num_tokens: int  # real (unpadded) tokens, the compute cost
+    ref_logprobs: torch.Tensor | None = None  # filled by the trainer when kl_coef > 0
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def _sequence_rows(sample: Sample, weight: float) -> dict[str, list]:
+    prompt, response = list(sample.prompt.input_ids), list(sample.response_ids)
+    tokens = prompt + response
+    n, p, r = len(tokens), len(prompt), len(response)
+    rollout = list(sample.rollout_logprobs) if sample.rollout_logprobs else [float("nan")] * r
+    if len(rollout) != r:
+        raise ValueError(f"sample {sample.request_id}: {len(rollout)} rollout log-probs for {r} response tokens")
+    # position i predicts token i+1; response tokens start at index p
+    return {
+        "input_ids": tokens,
+        "position_ids": list(range(n)),
+        "labels": tokens[1:] + [0],
+        "loss_mask": [0.0] * (p - 1) + [1.0] * r + [0.0],
+        "advantages": [float(sample.advantage)] * n,
+        "weights": [weight] * n,
+        "rollout_logprobs": [float("nan")] * (p - 1) + rollout + [float("nan")],
+        "sequence_starts": [0.0] * (p - 1) + [1.0] + [0.0] * r,
+    }
+
+
+_DTYPES = {"input_ids": torch.long, "position_ids": torch.long, "labels": torch.long, "loss_mask": torch.float32,
+           "advantages": torch.float64, "weights": torch.float64, "rollout_logprobs": torch.float64,
+           "sequence_starts": torch.float32}
+_PAD = {"rollout_logprobs": float("nan")}
+
+
+def check_trainable(sample: Sample) -> None:
+    """Refuse a sample the loss cannot use, naming it and the missing field."""
+    if sample.advantage is None:
+        raise ValueError(f"sample {sample.request_id} has no advantage; compute group advantages first")
+    if not sample.prompt.input_ids:
+        raise ValueError(f"sample {sample.request_id} has an empty prompt")
+    if not sample.response_ids:
+        raise ValueError(f"sample {sample.request_id} has no response tokens")
+
+
+def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, layout: Layout,
+                      pad_multiple: int = 1) -> MicroBatch:
+    """Lay out ``samples`` as one micro-batch. ``pad_multiple`` (thd) rounds each sequence up,
+    as context/sequence parallelism require."""
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    for s in samples:
+        check_trainable(s)
+    weights = token_weights([len(s.response_ids) for s in samples], aggregation)
+    rows = [_sequence_rows(s, w) for s, w in zip(samples, weights)]
+    lengths = [len(r["input_ids"]) for r in rows]
+    if layout == "padded":
+        width = max(lengths)
+        cols = {k: torch.tensor([r[k] + [_PAD.get(k, 0)] * (width - len(r[k])) for r in rows], dtype=dt)
+                for k, dt in _DTYPES.items()}
+        return MicroBatch(**cols, layout=layout, cu_seqlens=None, cu_seqlens_unpadded=None,
+                          max_seqlen=width, num_tokens=sum(lengths))
+    if layout != "thd":
+        raise ValueError(f"micro-batch layout must be 'padded' or 'thd', got {layout!r}")
+    padded = [-(-n // pad_multiple) * pad_multiple for n in lengths]
+    cols = {}
+    for k, dt in _DTYPES.items():
+        flat: list = []
+        for r, width in zip(rows, padded):
+            pad = list(range(len(r[k]), width)) if k == "position_ids" else [_PAD.get(k, 0)] * (width - len(r[k]))
+            flat += r[k] + pad
+        cols[k] = torch.tensor([flat], dtype=dt)
+    offsets = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    true_offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return MicroBatch(**cols, layout=layout, cu_seqlens=offsets, cu_seqlens_unpadded=true_offsets,
+                      max_seqlen=max(padded), num_tokens=sum(lengths))
+
+
+def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,
+                       pad_multiple: int = 1) -> list[MicroBatch]:
+    """Pack ``samples`` into micro-batches of at most ``budget`` tokens each."""
+    groups = pack([sequence_length(s) for s in samples], budget)
+    return [build_micro_batch([samples[i] for i in g], aggregation=aggregation, layout=layout,
+                              pad_multiple=pad_multiple) for g in groups]

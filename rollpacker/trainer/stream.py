@@ -1,0 +1,193 @@
+"""The stream trainer: one optimizer step assembled from prompt groups as they finish.
+
+During a long round, finished prompt groups (all their responses generated
+and scored) are handed to :meth:`StreamTrainer.consume` on the ranks that
+already train; each runs forward/backward at once and gradients only
+accumulate locally — no optimizer step, no data-parallel traffic. When the
+rollout ends, :meth:`StreamTrainer.finish` receives the groups nobody has
+consumed yet (the same list on every rank), spreads their samples over all
+data-parallel replicas by token count, then sums gradients over the replicas,
+divides by the step's true global token (or sequence) count and takes
+exactly one optimizer step.
+
+Because every micro-batch contributes an unnormalised sum (see grpo.py), the
+update does not depend on which rank consumed which sample, in which order
+or in how many calls: a non-streamed step is ``begin(); finish(all_groups)``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.sample import Sample
+from rollpacker.trainer.backend import Backend, logprobs_only, micro_batch_loss
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.grpo import LossSums, denominator, group_advantages, step_metrics
+from rollpacker.trainer.packing import MicroBatch, balance, plan_micro_batches, sequence_length
+
+
+def with_advantages(group: Sequence[Sample], cfg: TrainerConfig) -> list[Sample]:
+    """Copies of one prompt group's samples with their group-normalised advantages."""
+    if not group:
+        raise ValueError("a prompt group must hold at least one sample")
+    uid = (group[0].prompt.uid, group[0].prompt.epoch)
+    for s in group:
+        if (s.prompt.uid, s.prompt.epoch) != uid:
+            raise ValueError(f"prompt group of prompt {uid[0]} (epoch {uid[1]}) also holds sample {s.request_id}")
+        if s.reward is None:
+            raise ValueError(f"sample {s.request_id} has no reward; score it before training")
+    adv = group_advantages(torch.tensor([s.reward for s in group], dtype=torch.float64),
+                           std_normalize=cfg.std_normalize, eps=cfg.adv_eps)
+    return [s.replace(advantage=float(a)) for s, a in zip(group, adv)]
+
+
+@dataclass
+class StreamReport:
+    """What streaming achieved in one step (global over data-parallel replicas)."""
+
+    started_at: float | None  # clock time of the first streamed group; None if nothing streamed
+    rollout_ended_at: float | None
+    groups_before_rollout_end: int
+    groups_total: int
+    tokens_before_rollout_end: int  # compute tokens (prompt + response) trained before rollout ended
+    tokens_total: int
+    compute_s_before_rollout_end: float  # forward/backward seconds, summed over replicas
+    compute_s_after_rollout_end: float
+
+    @property
+    def overlap_share(self) -> float:
+        """Share of the step's training compute (by tokens) done while rollout was still running."""
+        return self.tokens_before_rollout_end / self.tokens_total if self.tokens_total else 0.0
+
+
+class StreamTrainer:
+    """Builds one optimizer step from groups fed in any order, split, or all at once."""
+
+    def __init__(self, backend: Backend, cfg: TrainerConfig, *, reference: dict[str, torch.Tensor] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if cfg.kl_coef > 0 and reference is None:
+            raise ValueError("trainer.kl_coef > 0 needs the reference policy's weights (reference=...)")
+        self.backend, self.cfg, self.reference, self.clock = backend, cfg, reference, clock
+        layout = backend.layout
+        self._loss_fn = partial(micro_batch_loss, cfg=cfg, tp_group=layout.tp_group, vocab_size=backend.vocab_size)
+        self._ref_fn = partial(logprobs_only, tp_group=layout.tp_group, vocab_size=backend.vocab_size)
+        self._open = False
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start a step: zero gradients and counters."""
+        self.backend.zero_grad()
+        self._sums = LossSums.zeros(self.backend.layout.device)
+        # local counters: response tokens, sequences, groups and compute tokens; before/after rollout end
+        self._counts = {k: 0 for k in ("resp_tokens", "sequences", "groups", "groups_before", "tokens",
+                                       "tokens_before")}
+        self._compute_s = [0.0, 0.0]
+        self._started_at: float | None = None
+        self._rollout_ended_at: float | None = None
+        self._open = True
+
+    def consume(self, groups: Sequence[Sequence[Sample]]) -> None:
+        """Forward/backward on finished prompt groups now; gradients stay local."""
+        self._require_open()
+        if not groups:
+            return
+        if self._started_at is None:
+            self._started_at = self.clock()
+        self._train([s for g in groups for s in with_advantages(g, self.cfg)], len(groups))
+
+    def end_rollout(self) -> None:
+        """Mark the end of rollout: later work no longer overlaps it."""
+        self._require_open()
+        self._rollout_ended_at = self.clock()
+
+    def finish(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
+        """Train on ``remaining`` (identical on every rank), reduce, normalise, step once.
+
+        Collective over the data-parallel group. Returns the step's metrics,
+        identical on every rank.
+        """
+        self._require_open()
+        if self._rollout_ended_at is None:
+            self.end_rollout()
+        samples = [s for g in remaining for s in with_advantages(g, self.cfg)]
+        layout = self.backend.layout
+        mine = balance([sequence_length(s) for s in samples], layout.dp)[layout.dp_rank]
+        # groups are split across replicas; count each once (on replica 0) for the report
+        self._train([samples[i] for i in mine], len(remaining) if layout.dp_rank == 0 else 0)
+        return self._reduce_and_step()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if not self._open:
+            raise RuntimeError("call begin() before feeding a step, and only once per step")
+
+    def _train(self, samples: list[Sample], num_groups: int) -> None:
+        t0 = time.perf_counter()
+        if samples:
+            mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
+                                     aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
+                                     pad_multiple=self.backend.pad_multiple)
+            if self.cfg.kl_coef > 0:
+                self._attach_reference_logprobs(mbs)
+            for result in self.backend.forward_backward(mbs, self._loss_fn):
+                self._sums = self._sums + result
+        before = self._rollout_ended_at is None
+        self._compute_s[0 if before else 1] += time.perf_counter() - t0
+        tokens = sum(sequence_length(s) for s in samples)
+        c = self._counts
+        c["resp_tokens"] += sum(len(s.response_ids) for s in samples)
+        c["sequences"] += len(samples)
+        c["groups"] += num_groups
+        c["tokens"] += tokens
+        if before:
+            c["groups_before"] += num_groups
+            c["tokens_before"] += tokens
+
+    def _attach_reference_logprobs(self, mbs: list[MicroBatch]) -> None:
+        with self.backend.swapped_params(self.reference):
+            ref = self.backend.forward_backward(mbs, self._ref_fn, forward_only=True)
+        for mb, lp in zip(mbs, ref):  # empty off the last pipeline stage, which computes no loss
+            mb.ref_logprobs = lp
+
+    def _reduce_and_step(self) -> dict[str, float]:
+        layout = self.backend.layout
+        self._open = False
+        counts = torch.tensor([*self._counts.values(), *self._compute_s], dtype=torch.float64, device=layout.device)
+        sums = self._sums.as_vector()
+        if layout.dp > 1:
+            dist.all_reduce(counts, group=layout.dp_group)
+            dist.all_reduce(sums, group=layout.dp_group)
+        if layout.pp > 1:  # only the last stage computed the loss; share its metrics with every stage
+            dist.all_reduce(sums, group=layout.pp_group)
+        total = dict(zip(self._counts, (int(x) for x in counts[:len(self._counts)].tolist())))
+        compute_before, compute_after = counts[len(self._counts):].tolist()
+        denom = denominator(total["resp_tokens"], total["sequences"], self.cfg.loss_aggregation)
+        if denom == 0:
+            raise ValueError("the step holds no response tokens: nothing to train on")
+        self.backend.reduce_grads(1.0 / denom)
+        global_sums = LossSums.from_vector(sums)
+        loss_finite = math.isfinite(float(global_sums.objective))
+        result = self.backend.step() if loss_finite else None
+        applied = result is not None and result.applied
+        metrics = step_metrics(global_sums, self.cfg.loss_aggregation)
+        report = StreamReport(
+            started_at=self._started_at, rollout_ended_at=self._rollout_ended_at,
+            groups_before_rollout_end=total["groups_before"], groups_total=total["groups"],
+            tokens_before_rollout_end=total["tokens_before"], tokens_total=total["tokens"],
+            compute_s_before_rollout_end=compute_before, compute_s_after_rollout_end=compute_after)
+        self.last_report = report
+        metrics.update(
+            grad_norm=result.grad_norm if result is not None else float("nan"),
+            skipped=0 if applied else 1,
+            stream_groups_before_rollout_end=report.groups_before_rollout_end,
+            stream_overlap_share=report.overlap_share,
+            stream_compute_s_before=compute_before, stream_compute_s_after=compute_after)
+        return metrics

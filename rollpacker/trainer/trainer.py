@@ -1,0 +1,98 @@
+"""The training stage as the entry point sees it: one object per rank.
+
+``Trainer`` builds this rank's Megatron Qwen2 shard from an HF directory over
+an explicit layout, picks the backend for the device (GPU: Megatron DDP +
+distributed optimizer + pipeline schedules; CPU: the project's micro-batch
+loop + torch AdamW) and exposes the step in two shapes that share one code
+path: ``train_step(groups)`` (everything at once) and ``stream`` (groups fed
+while rollout is still running; see stream.py).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from megatron_ext.parallel import ParallelLayout
+from megatron_ext.qwen2 import build_model
+from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
+from rollpacker.sample import Sample
+from rollpacker.trainer.backend import Backend
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.stream import StreamTrainer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_backend(model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig) -> Backend:
+    if layout.device.type == "cuda":
+        from rollpacker.trainer.backend_gpu import GpuBackend
+        return GpuBackend(model, layout, cfg)
+    from rollpacker.trainer.backend_cpu import CpuBackend
+    return CpuBackend(model, layout, cfg)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, layout: ParallelLayout, *,
+                 clock: Callable[[], float] = time.monotonic):
+        if (cfg.tp, cfg.pp, cfg.cp) != (layout.tp, layout.pp, layout.cp):
+            raise ValueError(f"trainer.tp/pp/cp = {cfg.tp}/{cfg.pp}/{cfg.cp} but the layout was set up as "
+                             f"{layout.tp}/{layout.pp}/{layout.cp}; build the layout from the trainer config")
+        self.cfg, self.layout, self.model_dir = cfg, layout, Path(model_dir)
+        self.model = build_model(self.model_dir, params_dtype=_DTYPES[cfg.params_dtype],
+                                 pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+                                 pg_collection=layout.pg_collection).to(layout.device)
+        load_hf_checkpoint(self.model, self.model_dir)
+        self.backend = make_backend(self.model, layout, cfg)
+        # The KL reference is the initial policy, kept on host and swapped in for its forward passes.
+        reference = self.backend.params_to_host() if cfg.kl_coef > 0 else None
+        self.stream = StreamTrainer(self.backend, cfg, reference=reference, clock=clock)
+        self.steps = 0
+
+    def train_step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+        """One non-streamed step on ``groups`` (the same list on every rank)."""
+        self.stream.begin()
+        return self.finish_step(groups)
+
+    def finish_step(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
+        """End a streamed step (after ``stream.begin()`` / ``stream.consume(...)``); see StreamTrainer.finish."""
+        metrics = self.stream.finish(remaining)
+        self.steps += 1 - metrics["skipped"]
+        return metrics
+
+    # -- phases and weights ---------------------------------------------------------------------------
+
+    def offload(self) -> float:
+        """Move params, grads and optimizer state to host before rollout; returns seconds."""
+        return self.backend.offload()
+
+    def onload(self) -> float:
+        return self.backend.onload()
+
+    def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors for weight sync (collective over TP and PP)."""
+        return iter_hf_tensors(self.model, self.layout)
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        save_hf_checkpoint(self.model, self.layout, out_dir, self.model_dir)
+
+    # -- exact resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model shard, optimizer state, RNG streams and step count."""
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
+                          if isinstance(v, torch.Tensor)},
+                "optimizer": self.backend.optimizer_state_dict(), "rng": self.backend.rng_state(), "steps": self.steps,
+                "reference": self.stream.reference}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]  # not saved: not tensors
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.backend.load_optimizer_state_dict(state["optimizer"])
+        self.backend.load_rng_state(state["rng"])
+        self.stream.reference = state["reference"]
+        self.steps = state["steps"]
