@@ -1,0 +1,310 @@
+"""A pool of CPU worker processes that score each response as soon as it is submitted.
+
+One dispatcher thread in the caller's process owns every worker: it hands
+queued jobs to idle workers, collects outcomes into futures, and watches each
+busy worker against a deadline (the sample's own scoring budget plus a grace
+period).  A worker that dies or misses its deadline is killed with its whole
+process group and replaced; its sample is retried once on a fresh worker, and
+scored as a failure (``crash`` or ``timeout``) if that attempt fails too.
+Nothing here runs scoring code in the caller's process.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+from rollpacker.reward.adaptive import CodeTimeouts
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.sandbox import SandboxLimits
+from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
+from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
+from rollpacker.reward.scorers.code import parse_tests
+from rollpacker.reward.worker import READY, Job, Outcome, WorkerSettings, worker_main
+
+log = logging.getLogger(__name__)
+_MAX_ATTEMPTS = 2  # a sample whose worker dies or hangs is retried once
+_MAX_START_FAILURES = 3  # per worker slot, before the pool gives up (a broken install, not bad input)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    workers_alive: int
+    workers_replaced: int
+    in_flight: int
+    queued: int
+    retried: int
+
+
+@dataclass
+class _Request:
+    job: Job
+    future: Future
+    budget: float  # seconds on a worker before it counts as hung
+    prompt_key: str | None = None  # code: whose timeout anchors the outcome updates
+    attempts: int = 0
+    seconds: float = 0.0  # worker time over all attempts
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: Any  # multiprocessing process of the pool's context
+    conn: Any  # the pool's end of the worker's pipe
+    ready: bool = False
+    request: _Request | None = None
+    job_id: int = 0
+    started_at: float = 0.0
+    deadline: float = 0.0
+
+
+class RewardPool:
+    """``submit`` returns a Future[Score]; it blocks while ``cfg.queue_size`` jobs wait.
+
+    An optional ``judge`` (``rollpacker.reward.scorers.judge.LLMJudge``) scores
+    ``data_source == "judge"`` samples; the pool closes it on ``close``.
+    """
+
+    def __init__(self, cfg: RewardConfig, *, judge: Any = None):
+        cfg.validate()
+        self._cfg = cfg
+        self._judge = judge
+        self._ctx = mp.get_context(cfg.start_method)
+        self._timeouts = CodeTimeouts(cfg)
+        self._queue: queue.Queue[_Request] = queue.Queue(maxsize=cfg.queue_size)
+        self._retry: collections.deque[_Request] = collections.deque()
+        self._submit_lock = threading.Lock()
+        self._closing = False
+        self._replaced = self._retried = self._start_failures = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
+        self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------
+    def submit(self, data_source: str, response: str, label: Any, *, key: str | None = None) -> Future:
+        """Queue one response for scoring. Raises ValueError for a sample no scorer accepts."""
+        scorer = scorer_for(data_source)
+        if scorer == JUDGE:
+            if self._judge is None:
+                raise ValueError(f"data_source {data_source!r} needs an LLM judge: RewardPool(cfg, judge=...)")
+            return self._judge.submit(response, label)
+        request = self._request(scorer, response, label, key)
+        with self._submit_lock:
+            if self._closing:
+                raise RuntimeError("RewardPool.submit after close()")
+            self._queue.put(request)
+        self._wake()
+        return request.future
+
+    def close(self) -> None:
+        """Finish every submitted sample, then stop the workers."""
+        with self._submit_lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._judge is not None:
+            self._judge.close()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"code_timeouts": self._timeouts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "code_timeouts" not in state:
+            raise ValueError("reward state_dict has no 'code_timeouts' entry")
+        self._timeouts.load_state_dict(state["code_timeouts"])
+
+    @property
+    def code_timeouts(self) -> CodeTimeouts:
+        return self._timeouts
+
+    def stats(self) -> PoolStats:
+        slots = list(self._slots)
+        return PoolStats(workers_alive=sum(s.process.is_alive() for s in slots), workers_replaced=self._replaced,
+                         in_flight=sum(s.request is not None for s in slots),
+                         queued=self._queue.qsize() + len(self._retry), retried=self._retried)
+
+    # ---- submission ---------------------------------------------------------------------
+    def _request(self, scorer: str, response: str, label: Any, key: str | None) -> _Request:
+        if not isinstance(response, str):
+            raise ValueError(f"response must be a str, got {type(response).__name__}")
+        grace = self._cfg.worker_grace
+        if scorer == CODE:
+            cases = parse_tests(label)
+            prompt_key = key if key is not None else _content_key(label)
+            timeouts = self._timeouts.timeouts(prompt_key, len(cases))
+            return _Request(Job(CODE, response, cases, timeouts), Future(), sum(timeouts) + grace, prompt_key)
+        if not isinstance(label, (str, int, float)) or isinstance(label, bool):
+            raise ValueError(f"{scorer} ground truth must be a string, got {type(label).__name__} {label!r:.80}")
+        # math-verify may spend its timeout on each of: gold parse, response parse, verify
+        budget = 3 * self._cfg.math_timeout + grace if scorer == MATH else grace
+        return _Request(Job(scorer, response, str(label)), Future(), budget)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the dispatcher already has wake-ups pending
+            pass
+
+    # ---- workers ------------------------------------------------------------------------
+    def _start_worker(self, index: int) -> _Slot:
+        cfg = self._cfg
+        limits = SandboxLimits(memory_mb=cfg.code_memory_mb, file_size_mb=cfg.code_file_size_mb,
+                               max_processes=cfg.code_max_processes, output_limit_bytes=cfg.code_output_limit_bytes,
+                               uid=None if cfg.sandbox_uid is None else cfg.sandbox_uid + index)
+        ours, theirs = self._ctx.Pipe()
+        process = self._ctx.Process(target=worker_main, args=(theirs, WorkerSettings(cfg.math_timeout, limits)),
+                                    name=f"reward-worker-{index}", daemon=True)
+        process.start()
+        theirs.close()
+        return _Slot(index, process, ours)
+
+    def _stop_worker(self, slot: _Slot) -> None:
+        try:
+            os.killpg(slot.process.pid, signal.SIGKILL)  # the worker leads its own session
+        except (ProcessLookupError, PermissionError):
+            pass
+        slot.process.join(5)
+        slot.conn.close()
+
+    def _fail(self, slot: _Slot, reason: str, detail: str) -> None:
+        """The worker in ``slot`` died or hung: replace it, retry or fail its sample."""
+        request = slot.request
+        log.warning("reward worker %d (pid %s): %s; replacing it", slot.index, slot.process.pid, detail)
+        if not slot.ready:
+            self._start_failures += 1
+            if self._start_failures > _MAX_START_FAILURES * self._cfg.num_workers:
+                raise RuntimeError(f"reward workers keep dying before they are ready: {detail}")
+        self._stop_worker(slot)
+        self._slots[slot.index] = self._start_worker(slot.index)
+        self._replaced += 1
+        if request is None:
+            return
+        request.seconds += time.monotonic() - slot.started_at
+        request.attempts += 1
+        if request.attempts < _MAX_ATTEMPTS:
+            self._retried += 1
+            self._retry.append(request)
+        else:
+            request.future.set_result(Score.failed(reason, f"{detail} on both attempts", request.seconds))
+
+    # ---- dispatcher thread --------------------------------------------------------------
+    def _dispatch(self) -> None:
+        try:
+            while True:
+                self._assign()
+                busy = [s for s in self._slots if s.request is not None]
+                if self._closing and not busy and not self._retry and self._queue.empty():
+                    break
+                timeout = max(0.0, min(s.deadline for s in busy) - time.monotonic()) if busy else None
+                waitables = [self._wake_r] + [s.conn for s in self._slots] + [s.process.sentinel for s in self._slots]
+                ready = wait(waitables, timeout)
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 1 << 16)
+                for slot in list(self._slots):
+                    if slot.conn in ready:
+                        self._receive(slot)
+                for slot in list(self._slots):
+                    if slot.process.sentinel in ready and not slot.process.is_alive():
+                        self._fail(slot, CRASH, f"worker died (exit code {slot.process.exitcode})")
+                now = time.monotonic()
+                for slot in list(self._slots):
+                    if slot.request is not None and now > slot.deadline:
+                        self._fail(slot, TIMEOUT, f"worker exceeded the {slot.request.budget:.1f}s budget")
+        except BaseException:  # noqa: BLE001 - a dispatcher bug must not leave futures hanging
+            log.exception("reward dispatcher failed")
+            with self._submit_lock:
+                self._closing = True  # later submits raise instead of waiting forever
+            self._fail_pending("reward dispatcher failed; see the log")
+            raise
+        finally:
+            for slot in self._slots:
+                try:
+                    slot.conn.send(None)
+                except OSError:
+                    pass
+                slot.process.join(2)
+                self._stop_worker(slot)
+
+    def _assign(self) -> None:
+        for slot in self._slots:
+            while slot.ready and slot.request is None:
+                request = self._next_request()
+                if request is None:
+                    return
+                slot.job_id += 1
+                slot.request, slot.started_at = request, time.monotonic()
+                slot.deadline = slot.started_at + request.budget
+                try:
+                    slot.conn.send((slot.job_id, request.job))
+                except OSError:
+                    self._fail(slot, CRASH, "worker pipe closed")
+
+    def _next_request(self) -> _Request | None:
+        if self._retry:
+            return self._retry.popleft()
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if request.future.set_running_or_notify_cancel():
+                return request
+
+    def _receive(self, slot: _Slot) -> None:
+        try:
+            message = slot.conn.recv()
+        except (EOFError, OSError):
+            self._fail(slot, CRASH, "worker pipe closed")
+            return
+        if message == READY:
+            slot.ready = True
+            return
+        job_id, outcome = message
+        request = slot.request
+        if request is None or job_id != slot.job_id:
+            return
+        slot.request = None
+        request.seconds += time.monotonic() - slot.started_at
+        self._finish(request, outcome)
+
+    def _finish(self, request: _Request, outcome: Outcome) -> None:
+        if request.prompt_key is not None and outcome.passed_case_seconds:
+            self._timeouts.observe(request.prompt_key, outcome.passed_case_seconds)
+        request.future.set_result(dataclasses.replace(outcome.score, seconds=request.seconds))
+
+    def _fail_pending(self, detail: str) -> None:
+        pending = [s.request for s in self._slots if s.request is not None] + list(self._retry)
+        while not self._queue.empty():
+            pending.append(self._queue.get_nowait())
+        for request in pending:
+            if not request.future.done():
+                request.future.set_result(Score.failed(ERROR, detail, request.seconds))
+
+
+def _content_key(tests: Any) -> str:
+    """A prompt key for code samples submitted without one: the same tests, the same key."""
+    return hashlib.sha1(json.dumps(tests, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,79 @@
+"""The scoring worker process: receives jobs over a pipe, answers with outcomes.
+
+A worker is started by the pool with the "forkserver" or "spawn" context, never
+by forking the trainer.  It makes itself a session leader at once so that the
+pool can kill it together with anything it started (``os.killpg(pid)``), and
+it announces readiness only after its heavy imports, so that a job's deadline
+never pays for interpreter start-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rollpacker.reward.sandbox import SandboxLimits, usable_uid
+from rollpacker.reward.score import ERROR, Score
+from rollpacker.reward.scorers import CODE, MATH, STEPCHAIN
+
+READY = "ready"
+
+
+@dataclass(frozen=True)
+class Job:
+    scorer: str  # MATH | STEPCHAIN | CODE
+    response: str
+    label: Any  # ground-truth string, or parsed code test cases
+    timeouts: tuple[float, ...] = ()  # code: one per test case
+
+
+@dataclass(frozen=True)
+class Outcome:
+    score: Score
+    passed_case_seconds: dict[int, float]  # code: runtimes of the cases the program passed
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    math_timeout: float
+    limits: SandboxLimits
+
+
+def worker_main(conn: Connection, settings: WorkerSettings) -> None:
+    os.setsid()
+    from rollpacker.reward.scorers.math_answer import score_math
+
+    score_math("\\boxed{1}", "1", settings.math_timeout)  # sympy's first use is slow: pay it before READY
+    settings = dataclasses.replace(
+        settings, limits=dataclasses.replace(settings.limits, uid=usable_uid(settings.limits.uid)))
+    conn.send(READY)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the pool is gone
+            return
+        if message is None:
+            return
+        job_id, job = message
+        conn.send((job_id, run_job(job, settings)))
+
+
+def run_job(job: Job, settings: WorkerSettings) -> Outcome:
+    """Score one job; a scorer's own failure is an ERROR score, never a dead worker."""
+    try:
+        if job.scorer == MATH:
+            from rollpacker.reward.scorers.math_answer import score_math
+            return Outcome(score_math(job.response, job.label, settings.math_timeout), {})
+        if job.scorer == STEPCHAIN:
+            from rollpacker.reward.scorers.stepchain import score_stepchain
+            return Outcome(score_stepchain(job.response, job.label), {})
+        if job.scorer == CODE:
+            from rollpacker.reward.scorers.code import score_code
+            score, passed = score_code(job.response, job.label, job.timeouts, settings.limits)
+            return Outcome(score, passed)
+        raise ValueError(f"worker has no scorer {job.scorer!r}")
+    except Exception:  # noqa: BLE001 - any scorer bug must come back as a score
+        return Outcome(Score.failed(ERROR, traceback.format_exc(limit=3)[-500:]), {})
