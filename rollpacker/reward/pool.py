@@ -46,6 +46,7 @@ class PoolStats:
     in_flight: int
     queued: int
     retried: int
+    worker_pids: tuple[int, ...]
 
 
 @dataclass
@@ -88,6 +89,7 @@ class RewardPool:
         self._submit_lock = threading.Lock()
         self._closing = False
         self._replaced = self._retried = self._start_failures = 0
+        self._all_ready = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
@@ -109,6 +111,10 @@ class RewardPool:
             self._queue.put(request)
         self._wake()
         return request.future
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every worker has started (imports done); False on timeout."""
+        return self._all_ready.wait(timeout)
 
     def close(self) -> None:
         """Finish every submitted sample, then stop the workers."""
@@ -145,7 +151,8 @@ class RewardPool:
         slots = list(self._slots)
         return PoolStats(workers_alive=sum(s.process.is_alive() for s in slots), workers_replaced=self._replaced,
                          in_flight=sum(s.request is not None for s in slots),
-                         queued=self._queue.qsize() + len(self._retry), retried=self._retried)
+                         queued=self._queue.qsize() + len(self._retry), retried=self._retried,
+                         worker_pids=tuple(s.process.pid for s in slots))
 
     # ---- submission ---------------------------------------------------------------------
     def _request(self, scorer: str, response: str, label: Any, key: str | None) -> _Request:
@@ -199,6 +206,7 @@ class RewardPool:
             if self._start_failures > _MAX_START_FAILURES * self._cfg.num_workers:
                 raise RuntimeError(f"reward workers keep dying before they are ready: {detail}")
         self._stop_worker(slot)
+        self._all_ready.clear()
         self._slots[slot.index] = self._start_worker(slot.index)
         self._replaced += 1
         if request is None:
@@ -282,6 +290,8 @@ class RewardPool:
             return
         if message == READY:
             slot.ready = True
+            if all(s.ready for s in self._slots):
+                self._all_ready.set()
             return
         job_id, outcome = message
         request = slot.request

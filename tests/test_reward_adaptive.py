@@ -1,0 +1,52 @@
+"""Adaptive code timeouts: the rule, its convergence on known runtimes, and its checkpoint."""
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.reward import RewardConfig, RewardPool
+from rollpacker.reward.adaptive import CodeTimeouts
+
+SLEEP_THEN_ECHO = "```python\nimport time\ntime.sleep({seconds})\nprint(input())\n```"
+CASES = [{"stdin": "a\n", "stdout": "a"}, {"stdin": "b\n", "stdout": "b"}]
+
+
+def test_rule_clamps_and_anchors_only_grow():
+    t = CodeTimeouts(RewardConfig(code_t_min=2.0, code_t_max=30.0, code_lambda=1.5))
+    assert t.timeouts("p", 3) == (30.0, 30.0, 30.0)  # nothing passed yet: the full budget
+    t.observe("p", {0: 0.5, 1: 4.0, 2: 25.0})
+    assert t.timeouts("p", 3) == (2.0, 6.0, 30.0)  # T_min, λ·anchor, T_max
+    t.observe("p", {1: 3.0})
+    assert t.anchor("p", 1) == 4.0
+    assert CodeTimeouts(RewardConfig(code_timeout="fixed", code_fixed_timeout=7.0)).timeouts("p", 2) == (7.0, 7.0)
+
+
+def test_state_is_validated_on_load():
+    t = CodeTimeouts(RewardConfig())
+    with pytest.raises(ValueError, match="anchors"):
+        t.load_state_dict({"anchors": {"p#0": -1.0}})
+
+
+def test_anchor_converges_to_the_slowest_correct_runtime_and_round_trips():
+    cfg = RewardConfig(num_workers=2, code_t_min=0.5, code_t_max=3.0)
+    runtimes = [0.1, 0.6, 0.3]  # seconds each correct solution sleeps per case
+    with RewardPool(cfg) as pool:
+        # a slow wrong answer says nothing about how long a correct solution needs
+        slow_wrong = SLEEP_THEN_ECHO.format(seconds=2.2).replace("print(input())", "print('z')")
+        assert pool.submit("code", slow_wrong, CASES, key="prompt-7").result(timeout=60).reason == "wrong_answer"
+        futures = [pool.submit("code", SLEEP_THEN_ECHO.format(seconds=s), CASES, key="prompt-7") for s in runtimes]
+        assert all(f.result(timeout=60).correct for f in futures)
+        anchors = [pool.code_timeouts.anchor("prompt-7", i) for i in range(2)]
+        for anchor in anchors:  # the runtime includes interpreter start-up, hence the slack
+            assert max(runtimes) <= anchor < max(runtimes) + 1.0, anchors
+        timeouts = pool.code_timeouts.timeouts("prompt-7", 2)
+        assert timeouts == tuple(min(max(0.5, 1.5 * a), 3.0) for a in anchors)
+        # the tightened timeout now cuts a 2.5 s program that T_max would have let finish
+        late = pool.submit("code", SLEEP_THEN_ECHO.format(seconds=2.5), CASES, key="prompt-7").result(timeout=60)
+        assert late.reason == "timeout" and late.seconds < 2.5
+        state = pool.state_dict()
+
+    with RewardPool(cfg) as restored:
+        assert restored.code_timeouts.timeouts("prompt-7", 2) == (3.0, 3.0)
+        restored.load_state_dict(state)
+        assert restored.code_timeouts.timeouts("prompt-7", 2) == timeouts
+        assert restored.state_dict() == state

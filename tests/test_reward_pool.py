@@ -1,0 +1,105 @@
+"""The pool's failure handling: killed and hung workers, retries, back-pressure, bad input."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rollpacker.reward import RewardConfig, RewardPool
+
+SLEEPY = "```python\nimport time\ntime.sleep({seconds})\nprint('done')\n```"
+DONE = [{"stdin": "", "stdout": "done"}]
+
+
+def sleepy(seconds: float) -> str:
+    return SLEEPY.format(seconds=seconds)
+
+
+@pytest.fixture
+def pool():
+    cfg = RewardConfig(num_workers=1, queue_size=1, code_t_max=3.0, worker_grace=1.0)
+    with RewardPool(cfg) as p:
+        assert p.wait_ready(60)
+        yield p
+
+
+def wait_busy(pool: RewardPool, not_pid: int | None = None) -> int:
+    """The pid of the worker once it is scoring a sample (and is not ``not_pid``)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = pool.stats()
+        if stats.in_flight == 1 and stats.worker_pids[0] != not_pid:
+            time.sleep(0.2)  # let the worker start the sandboxed program
+            return stats.worker_pids[0]
+        time.sleep(0.02)
+    raise AssertionError(f"the worker never picked up the sample: {pool.stats()}")
+
+
+def test_killed_worker_is_replaced_and_its_sample_retried(pool):
+    future = pool.submit("code", sleepy(1.0), DONE)
+    victim = wait_busy(pool)
+    os.kill(victim, signal.SIGKILL)
+    score = future.result(timeout=30)
+    assert score.reason == "ok" and score.reward == 1.0
+    stats = pool.stats()
+    assert stats.workers_alive == 1 and stats.workers_replaced == 1 and stats.retried == 1
+    assert victim not in stats.worker_pids
+
+
+def test_sample_whose_worker_dies_twice_is_a_crash(pool):
+    future = pool.submit("code", sleepy(1.0), DONE)
+    first = wait_busy(pool)
+    os.kill(first, signal.SIGKILL)
+    os.kill(wait_busy(pool, not_pid=first), signal.SIGKILL)
+    score = future.result(timeout=30)
+    assert (score.reason, score.reward) == ("crash", 0.0), score
+    assert pool.stats().workers_replaced == 2
+    assert pool.wait_ready(30)
+    assert pool.submit("stepchain", "Answer: 3", "3").result(timeout=30).correct  # still serving
+
+
+def test_hung_worker_is_killed_after_its_budget_and_the_sample_retried(pool):
+    future = pool.submit("code", sleepy(0.5), DONE)
+    victim = wait_busy(pool)
+    os.kill(victim, signal.SIGSTOP)  # hung: alive but never answers
+    score = future.result(timeout=30)
+    assert score.reason == "ok"
+    # the hung attempt counts: it ran its full budget (T_max + grace) before the retry
+    assert score.seconds >= 3.0 + 1.0
+    assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"
+    assert pool.stats().workers_replaced == 1
+
+
+def test_submit_blocks_while_the_queue_is_full(pool):
+    first = pool.submit("code", sleepy(1.0), DONE)
+    wait_busy(pool)
+    queued = pool.submit("stepchain", "Answer: 1", "1")  # fills the one-slot queue
+    third: list = []
+    blocked = threading.Thread(target=lambda: third.append(pool.submit("stepchain", "Answer: 2", "2")))
+    blocked.start()
+    time.sleep(0.4)
+    assert blocked.is_alive() and not first.done()  # back-pressure, not an unbounded buffer
+    blocked.join(timeout=30)
+    assert [f.result(timeout=30).correct for f in (first, queued, third[0])] == [True, True, True]
+
+
+def test_bad_input_is_refused_by_name(pool):
+    with pytest.raises(ValueError, match="no scorer for data_source 'poetry'"):
+        pool.submit("poetry", "x", "y")
+    with pytest.raises(ValueError, match="code test 1 must be"):
+        pool.submit("code", "x", [{"stdin": "", "stdout": ""}, {"stdin": 3}])
+    with pytest.raises(ValueError, match="needs an LLM judge"):
+        pool.submit("judge", "x", "y")
+
+
+def test_close_finishes_submitted_work_then_refuses():
+    cfg = RewardConfig(num_workers=2)
+    pool = RewardPool(cfg)
+    futures = [pool.submit("stepchain", f"Answer: {i}", str(i % 2)) for i in range(20)]
+    pool.close()
+    assert [f.result(timeout=0).correct for f in futures] == [i % 2 == i for i in range(20)]
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.submit("stepchain", "Answer: 1", "1")
