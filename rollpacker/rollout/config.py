@@ -16,9 +16,13 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     kv_cache_tokens: int = 65536  # reference engine: KV budget per engine, in tokens
+    kv_page_size: int = 16  # reference engine: tokens per KV page (the unit of admission/preemption)
+    max_prefill_tokens: int = 16384  # reference engine: padded prompt tokens prefilled in one forward
+    seed: int = 0  # seeds requests submitted without their own seed
     max_running_requests: int = 256
     mem_fraction_static: float = 0.7  # sglang
     weight_bucket_mb: int = 512  # size bound of one weight-update bucket
+    sglang_base_port: int = 30000  # sglang: engine of global rank r listens on base + r * port stride
 
     def validate(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
@@ -31,3 +35,10 @@ class RolloutConfig:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.kv_cache_tokens < 1:
             raise ConfigError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        for key in ("kv_page_size", "max_prefill_tokens", "max_running_requests", "weight_bucket_mb"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if not 1024 <= self.sglang_base_port <= 65535 - 1024:
+            raise ConfigError(f"sglang_base_port must be in [1024, 64511], got {self.sglang_base_port}")

@@ -27,7 +27,14 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the engine keeps serving the others."""
+    """A request the engine refuses; the engine keeps serving the others.
+
+    ``request_ids`` names the refused requests when a batch was partly accepted.
+    """
+
+    def __init__(self, message: str, request_ids: Sequence[str] = ()):
+        super().__init__(message)
+        self.request_ids = tuple(request_ids)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,444 @@
+"""The reference rollout engine: continuous batching in plain PyTorch, on CPU or GPU.
+
+Scheduling (on the leader):
+- KV lives in fixed-size pages (``RolloutConfig.kv_page_size`` tokens) out of a
+  budget of ``kv_cache_tokens``. A waiting request is admitted, FIFO, when the
+  pages for its prompt + generated tokens + the next token are free.
+- Every step decodes one token for all running requests in ONE batched forward
+  (keys gathered from each row's pages, masked SDPA), then prefills the newly
+  admitted requests in one right-padded forward. Per-row state (lengths, page
+  tables, sampling parameters, outputs) lives in row-aligned tensors, so the hot
+  path has no per-request Python; only finished requests are handled one by one.
+- When a running request needs a new page and none is free, the most recently
+  admitted request is preempted by recompute: its KV is dropped, its generated
+  tokens kept, and it is re-queued at the front (it is re-prefilled over prompt +
+  generated tokens on re-admission, which yields its next token).
+
+Tensor parallelism: a process group of ranks forms one engine. The group's first
+rank (the leader) owns all scheduling state and samples from full logits (lm_head
+is replicated); before each forward it broadcasts the ``ForwardPlan``, and the
+followers, inside ``serve_follower()``, run the same forward in lockstep. Page
+allocation is leader-only: every rank's KV pool has the same page layout, so
+abort and preemption need no message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
+                                       GenerationRequest, RequestError, RolloutEngine)
+from rollpacker.rollout.qwen2_torch import ForwardPlan, Qwen2Spec, Qwen2TP, iter_safetensors
+from rollpacker.rollout.sampling import draw_uniforms, sample
+
+ModelSource = str | Path | tuple[dict | Qwen2Spec, Mapping[str, torch.Tensor]]
+
+
+@dataclass
+class _Request:
+    req: GenerationRequest
+    uniforms: torch.Tensor  # one per token it may generate (empty when greedy)
+    submitted_at: float
+    output_ids: list[int] = field(default_factory=list)  # kept across a preemption
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Rows:
+    """Decode state of the running batch: row ``i`` belongs to the ``i``-th running request."""
+
+    seq_len: torch.Tensor  # tokens whose KV is stored
+    last_token: torch.Tensor  # sampled, not yet in KV
+    n_gen: torch.Tensor
+    max_new: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    n_pages: torch.Tensor
+    stops: torch.Tensor  # [B, S], padded with -1
+    uniforms: torch.Tensor  # [B, U]
+    out_ids: torch.Tensor  # [B, G]
+    out_lp: torch.Tensor  # [B, G]
+    block_table: torch.Tensor  # [B, P], padded with page 0 (masked out)
+
+    _PAD = {"stops": -1}
+
+    def select(self, index: torch.Tensor) -> "_Rows":
+        return _Rows(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+
+    def cat(self, other: "_Rows") -> "_Rows":
+        return _Rows(**{f.name: _cat_padded(getattr(self, f.name), getattr(other, f.name),
+                                            self._PAD.get(f.name, 0)) for f in dataclasses.fields(self)})
+
+
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, fill: int) -> torch.Tensor:
+    if a.dim() == 2 and a.shape[1] != b.shape[1]:
+        width = max(a.shape[1], b.shape[1])
+        a, b = (F.pad(x, (0, width - x.shape[1]), value=fill) for x in (a, b))
+    return torch.cat((a, b))
+
+
+def _padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), max(1, max(len(r) for r in rows))), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+class ReferenceEngine(RolloutEngine):
+    """Continuous-batching Qwen2 engine over a paged KV budget, optionally tensor-parallel.
+
+    ``model``: an HF Qwen2 directory (``config.json`` + ``*.safetensors``), or a pair
+    ``(HF config dict or Qwen2Spec, {HF name: full tensor})``. ``cfg``: the rollout
+    section (``kv_cache_tokens``, ``kv_page_size``, ``max_running_requests``,
+    ``max_prefill_tokens``, ``seed``). ``group``: the ranks forming this engine (None:
+    this process alone); every rank of the group constructs the engine, the leader
+    (group rank 0) calls the interface, the others call ``serve_follower()``.
+    ``device``: where weights and KV live; ``dtype``: parameter and KV dtype.
+    """
+
+    def __init__(self, model: ModelSource, cfg: RolloutConfig, group: dist.ProcessGroup | None = None,
+                 engine_id: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        cfg.validate()
+        self.cfg, self.engine_id, self.group = cfg, engine_id, group
+        self.tp_size = 1 if group is None else dist.get_world_size(group)
+        self.is_leader = group is None or dist.get_rank(group) == 0
+        self._leader = 0 if group is None else dist.get_global_rank(group, 0)
+        if isinstance(model, (str, Path)):
+            spec, tensors = Qwen2Spec.from_dir(model), iter_safetensors(model)
+        else:
+            spec = model[0] if isinstance(model[0], Qwen2Spec) else Qwen2Spec.from_hf(model[0])
+            tensors = iter(model[1].items())
+        self.spec = spec
+        self.model = Qwen2TP(spec, tp_rank=0 if group is None else dist.get_rank(group), tp_size=self.tp_size,
+                             group=group, dtype=dtype, device=device)
+        self.model.allocate()
+        self.model.load_all(tensors)
+        self.page_size = cfg.kv_page_size
+        self.num_pages = math.ceil(cfg.kv_cache_tokens / self.page_size)
+        self.kv = self.model.new_kv(self.num_pages, self.page_size)
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._rows: _Rows | None = None
+        self._done: list[Completion] = []
+        self._missing_weights: set[str] = set()
+        self._seeds = random.Random(cfg.seed * 1_000_003 + engine_id)
+        self._stats = EngineStats(kv_tokens_capacity=self.num_pages * self.page_size)
+
+    # ---- interface -----------------------------------------------------------------------------
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self._require_leader()
+        active = set(self.active_request_ids())
+        errors, refused = [], []
+        for r in requests:
+            problem = self._problem(r, active)
+            if problem:
+                errors.append(f"request {r.request_id!r}: {problem}")
+                refused.append(r.request_id)
+                continue
+            active.add(r.request_id)
+            p = r.params
+            seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+            uniforms = draw_uniforms(seed, p.max_new_tokens) if p.temperature > 0 else torch.zeros(0)
+            self._waiting.append(_Request(r, uniforms, time.monotonic()))
+        if errors:
+            raise RequestError("; ".join(errors), refused)
+
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
+        """Run steps until something finished, ``timeout`` passed (0: one step) or nothing is left."""
+        self._require_leader()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._running or self._waiting:
+            if self._missing_weights:
+                raise RuntimeError(f"engine {self.engine_id}: weights were released; update_weights must "
+                                   f"provide all of them before serving ({len(self._missing_weights)} missing)")
+            if self.kv is None:
+                raise RuntimeError(f"engine {self.engine_id}: KV cache released; call resume_memory first")
+            self._step()
+            if self._done or (deadline is not None and time.monotonic() >= deadline):
+                break
+        done, self._done = self._done, []
+        return done
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._require_leader()
+        ids = set(request_ids)
+        self._waiting = deque(r for r in self._waiting if r.req.request_id not in ids)
+        self._done = [c for c in self._done if c.request_id not in ids]
+        hit = [i for i, r in enumerate(self._running) if r.req.request_id in ids]
+        if hit:
+            for i in hit:
+                self._free_row_pages(i)
+            self._drop_rows(hit)
+
+    def active_request_ids(self) -> list[str]:
+        return ([r.req.request_id for r in self._running] + [r.req.request_id for r in self._waiting]
+                + [c.request_id for c in self._done])
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF tensors in place; under TP each is broadcast and every rank keeps its shard."""
+        self._require_leader()
+        if not self.model.allocated:
+            raise RuntimeError(f"engine {self.engine_id}: weights are released; resume_memory(['weights']) first")
+        for name, tensor in named_tensors:
+            if not self.model.has_weight(name):
+                raise KeyError(f"engine {self.engine_id}: unknown Qwen2 weight name {name!r}")
+            tensor = tensor.detach().to(self.model.device, self.model.dtype).contiguous()
+            if self.tp_size > 1:
+                self._send("load", (name, tuple(tensor.shape)))
+                dist.broadcast(tensor, src=self._leader, group=self.group)
+            self.model.load(name, tensor)
+            self._missing_weights.discard(name)
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Drop the KV cache and/or weights (CPU: the tensors). Followers leave ``serve_follower``."""
+        self._require_leader()
+        if self._running or self._waiting:
+            raise RuntimeError(f"engine {self.engine_id}: release_memory needs an idle engine "
+                               f"({len(self._running)} running, {len(self._waiting)} waiting)")
+        self._check_tags(tags)
+        self._send("release", tuple(tags))
+        self._release(tags)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Re-allocate; after ``weights`` the engine serves only once ``update_weights`` refilled them."""
+        self._require_leader()
+        self._check_tags(tags)
+        self._send("resume", tuple(tags))
+        self._resume(tags)
+        if "weights" in tags:
+            self._missing_weights = set(self.model.hf_names())
+
+    def stats(self) -> EngineStats:
+        s = dataclasses.replace(self._stats, running=len(self._running), waiting=len(self._waiting),
+                                kv_tokens_used=(self.num_pages - len(self._free_pages)) * self.page_size)
+        s.extra = {"kv_tokens_stored": 0 if self._rows is None else int(self._rows.seq_len.sum()),
+                   "tp": self.tp_size}
+        return s
+
+    def shutdown(self) -> None:
+        if self.is_leader:
+            self._send("shutdown", None)
+
+    def serve_follower(self) -> str:
+        """Follower loop: mirror the leader's forwards and weight loads.
+
+        Returns ``"release"`` when the leader released memory (the rank is free for other
+        work and must call this again before the leader resumes) or ``"shutdown"``.
+        """
+        if self.is_leader:
+            raise RuntimeError("serve_follower is for the non-leader ranks of a TP group")
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=self._leader, group=self.group)
+            cmd, arg = box[0]
+            if cmd == "forward":
+                self.model.forward(arg, self.kv)
+            elif cmd == "load":
+                name, shape = arg
+                tensor = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+                dist.broadcast(tensor, src=self._leader, group=self.group)
+                self.model.load(name, tensor)
+            elif cmd == "resume":
+                self._resume(arg)
+            elif cmd == "release":
+                self._release(arg)
+                return "release"
+            elif cmd == "shutdown":
+                return "shutdown"
+            else:
+                raise RuntimeError(f"unknown command {cmd!r} from the leader")
+
+    # ---- validation and memory -----------------------------------------------------------------
+    def _require_leader(self) -> None:
+        if not self.is_leader:
+            raise RuntimeError("engine methods are called on the TP group's leader; followers run serve_follower()")
+
+    def _problem(self, r: GenerationRequest, active: set[str]) -> str | None:
+        try:
+            r.params.validate()
+        except RequestError as exc:
+            return str(exc)
+        n, p, vocab = len(r.input_ids), r.params, self.spec.vocab_size
+        if r.request_id in active:
+            return "a request with this id is already in flight"
+        if n == 0:
+            return "empty prompt"
+        if min(r.input_ids) < 0 or max(r.input_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab})"
+        if n + p.max_new_tokens > self.spec.max_position_embeddings:
+            return (f"prompt ({n}) + max_new_tokens ({p.max_new_tokens}) exceeds the context "
+                    f"{self.spec.max_position_embeddings}")
+        if math.ceil((n + p.max_new_tokens) / self.page_size) > self.num_pages:
+            return (f"prompt + max_new_tokens ({n + p.max_new_tokens}) exceeds the KV budget "
+                    f"{self.num_pages * self.page_size} tokens (rollout.kv_cache_tokens)")
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"stop token ids {bad} are outside the vocabulary [0, {vocab})"
+        return None
+
+    @staticmethod
+    def _check_tags(tags: Sequence[str]) -> None:
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"unknown memory tags {sorted(unknown)}; valid: {MEMORY_TAGS}")
+
+    def _release(self, tags: Sequence[str]) -> None:
+        if "kv_cache" in tags:
+            self.kv = None
+        if "weights" in tags:
+            self.model.release()
+
+    def _resume(self, tags: Sequence[str]) -> None:
+        if "kv_cache" in tags and self.kv is None:
+            self.kv = self.model.new_kv(self.num_pages, self.page_size)
+        if "weights" in tags and not self.model.allocated:
+            self.model.allocate()
+
+    def _send(self, cmd: str, arg: object) -> None:
+        if self.tp_size > 1:
+            dist.broadcast_object_list([(cmd, arg)], src=self._leader, group=self.group)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _step(self) -> None:
+        start = time.perf_counter()
+        if self._running:
+            self._grow_pages()
+        if self._running:
+            rows = self._rows
+            pos = rows.seq_len
+            pages = rows.block_table.gather(1, (pos // self.page_size).unsqueeze(1)).squeeze(1)
+            used_pages = int(rows.n_pages.max())  # the table may be wider than any row needs
+            plan = ForwardPlan("decode", rows.last_token.unsqueeze(1), pos + 1, pages, pos % self.page_size,
+                               rows.block_table[:, :used_pages])
+            logits = self._forward(plan)
+            rows.seq_len = pos + 1
+            self._emit(rows, logits)
+        self._admit()
+        self._retire_finished()
+        self._stats.busy_seconds += time.perf_counter() - start
+
+    def _forward(self, plan: ForwardPlan) -> torch.Tensor:
+        self._send("forward", plan)
+        return self.model.logits(self.model.forward(plan, self.kv)).cpu()
+
+    def _emit(self, rows: _Rows, logits: torch.Tensor) -> None:
+        """Sample each row's next token and record it with its log-prob."""
+        col = rows.n_gen.unsqueeze(1)
+        uniforms = rows.uniforms.gather(1, col.clamp(max=rows.uniforms.shape[1] - 1)).squeeze(1)
+        tokens, logprobs = sample(logits, rows.temperature, rows.top_p, rows.top_k, uniforms)
+        rows.out_ids.scatter_(1, col, tokens.unsqueeze(1))
+        rows.out_lp.scatter_(1, col, logprobs.unsqueeze(1))
+        rows.n_gen = rows.n_gen + 1
+        rows.last_token = tokens
+        self._stats.tokens_generated += len(tokens)
+
+    def _grow_pages(self) -> None:
+        """Give a new page to rows whose next token starts one, preempting the newest rows if short."""
+        rows = self._rows
+        need = (rows.seq_len == rows.n_pages * self.page_size).nonzero().flatten().tolist()
+        while len(need) > len(self._free_pages):
+            victim = len(self._running) - 1
+            self._preempt(victim)
+            need = [i for i in need if i != victim]
+        if not need:
+            return
+        rows = self._rows
+        if int(rows.n_pages.max()) >= rows.block_table.shape[1]:
+            rows.block_table = F.pad(rows.block_table, (0, rows.block_table.shape[1]))
+        idx = torch.tensor(need)
+        rows.block_table[idx, rows.n_pages[idx]] = torch.tensor([self._free_pages.pop() for _ in need])
+        rows.n_pages[idx] += 1
+
+    def _preempt(self, i: int) -> None:
+        r, rows = self._running[i], self._rows
+        n = int(rows.n_gen[i])
+        r.output_ids = rows.out_ids[i, :n].tolist()
+        r.logprobs = rows.out_lp[i, :n].tolist()
+        self._free_row_pages(i)
+        self._drop_rows([i])
+        self._waiting.appendleft(r)
+        self._stats.preemptions += 1
+
+    def _free_row_pages(self, i: int) -> None:
+        self._free_pages.extend(self._rows.block_table[i, :int(self._rows.n_pages[i])].tolist())
+
+    def _drop_rows(self, drop: Sequence[int]) -> None:
+        gone = set(drop)
+        keep = [i for i in range(len(self._running)) if i not in gone]
+        self._running = [self._running[i] for i in keep]
+        self._rows = self._rows.select(torch.tensor(keep, dtype=torch.long)) if keep else None
+
+    def _admit(self) -> None:
+        """Admit waiting requests FIFO while their pages fit, and prefill them in one forward."""
+        admitted: list[tuple[_Request, list[int]]] = []
+        longest = 0
+        while self._waiting and len(self._running) + len(admitted) < self.cfg.max_running_requests:
+            r = self._waiting[0]
+            length = len(r.req.input_ids) + len(r.output_ids)
+            pages = math.ceil((length + 1) / self.page_size)
+            padded = (len(admitted) + 1) * max(longest, length)
+            if pages > len(self._free_pages) or (admitted and padded > self.cfg.max_prefill_tokens):
+                break
+            self._waiting.popleft()
+            admitted.append((r, [self._free_pages.pop() for _ in range(pages)]))
+            longest = max(longest, length)
+        if not admitted:
+            return
+        reqs = [r for r, _ in admitted]
+        seqs = [list(r.req.input_ids) + r.output_ids for r in reqs]
+        lengths = torch.tensor([len(s) for s in seqs])
+        table = _padded([p for _, p in admitted], 0, torch.long)
+        t = torch.arange(longest).expand(len(seqs), longest)
+        valid = t < lengths.unsqueeze(1)
+        plan = ForwardPlan("prefill", _padded(seqs, 0, torch.long), lengths,
+                           table.gather(1, t // self.page_size)[valid], (t % self.page_size)[valid])
+        logits = self._forward(plan)
+        params = [r.req.params for r in reqs]
+        rows = _Rows(seq_len=lengths, last_token=torch.zeros(len(reqs), dtype=torch.long),
+                     n_gen=torch.tensor([len(r.output_ids) for r in reqs]),
+                     max_new=torch.tensor([p.max_new_tokens for p in params]),
+                     temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                     top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                     top_k=torch.tensor([p.top_k for p in params]),
+                     n_pages=torch.tensor([len(p) for _, p in admitted]),
+                     stops=_padded([p.stop_token_ids for p in params], -1, torch.long),
+                     uniforms=_padded([r.uniforms.tolist() for r in reqs], 0.0, torch.float32),
+                     out_ids=_padded([r.output_ids for r in reqs], 0, torch.long),
+                     out_lp=_padded([r.logprobs for r in reqs], 0.0, torch.float32),
+                     block_table=table)
+        width = int(rows.max_new.max())
+        rows.out_ids = F.pad(rows.out_ids, (0, width - rows.out_ids.shape[1]))
+        rows.out_lp = F.pad(rows.out_lp, (0, width - rows.out_lp.shape[1]))
+        self._emit(rows, logits)
+        self._running.extend(reqs)
+        self._rows = rows if self._rows is None else self._rows.cat(rows)
+
+    def _retire_finished(self) -> None:
+        rows = self._rows
+        if rows is None:
+            return
+        stopped = (rows.stops == rows.last_token.unsqueeze(1)).any(1)
+        finished = (stopped | (rows.n_gen >= rows.max_new)).nonzero().flatten().tolist()
+        now = time.monotonic()
+        for i in finished:
+            r, n = self._running[i], int(rows.n_gen[i])
+            self._done.append(Completion(
+                request_id=r.req.request_id, output_ids=rows.out_ids[i, :n].tolist(),
+                logprobs=rows.out_lp[i, :n].tolist(), finish_reason=FINISH_STOP if stopped[i] else FINISH_LENGTH,
+                submitted_at=r.submitted_at, finished_at=now, engine_id=self.engine_id))
+            self._free_row_pages(i)
+        if finished:
+            self._drop_rows(finished)
