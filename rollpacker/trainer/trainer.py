@@ -9,6 +9,7 @@ while rollout is still running; see stream.py).
 """
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -84,7 +85,7 @@ class Trainer:
         """This rank's model shard, optimizer state, RNG streams and step count."""
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()
                           if isinstance(v, torch.Tensor)},
-                "optimizer": self.backend.optimizer_state_dict(), "rng": self.backend.rng_state(), "steps": self.steps,
+                "optimizer": copy.deepcopy(self.backend.optimizer_state_dict()), "rng": self.backend.rng_state(), "steps": self.steps,
                 "reference": self.stream.reference}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,1 @@
+"""torchrun scripts that tests launch with rollpacker.testing.run_torchrun."""

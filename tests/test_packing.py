@@ -1,0 +1,97 @@
+"""Balancing and packing invariants; the padded (CPU) and packed THD (GPU) layouts carry the same tokens."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rollpacker.trainer.grpo import grpo_token_loss
+from rollpacker.trainer.packing import balance, build_micro_batch, pack, plan_micro_batches, sequence_length
+from tests.dist.trainer_fixtures import random_groups
+
+
+def _lengths(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [int(rng.paretovariate(1.2) * 20) for _ in range(n)]  # long-tailed, like responses
+
+
+@pytest.mark.parametrize("seed,n,bins", [(0, 37, 2), (1, 64, 4), (2, 3, 4), (3, 0, 2), (4, 100, 8)])
+def test_balance_invariants(seed, n, bins):
+    lengths = _lengths(seed, n)
+    parts = balance(lengths, bins)
+    assert len(parts) == bins
+    assert sorted(i for p in parts for i in p) == list(range(n))  # every item exactly once
+    assert all(p == sorted(p) for p in parts)
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    if n:  # greedy LPT: the heaviest bin is within one item of the mean
+        assert max(loads) - sum(loads) / bins <= max(lengths)
+    assert balance(lengths, bins) == parts  # deterministic
+
+
+def test_balance_beats_round_robin_on_a_long_tail():
+    lengths = _lengths(5, 64)
+    round_robin = [sum(lengths[i::4]) for i in range(4)]
+    greedy = [sum(lengths[i] for i in p) for p in balance(lengths, 4)]
+    assert max(greedy) <= max(round_robin)
+    assert max(greedy) - min(greedy) <= max(lengths)
+
+
+@pytest.mark.parametrize("budget", [1, 30, 100, 10_000])
+def test_pack_invariants(budget):
+    lengths = _lengths(6, 50)
+    batches = pack(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(50))
+    for b in batches:
+        assert sum(lengths[i] for i in b) <= budget or len(b) == 1  # an over-long item rides alone
+    if budget >= max(lengths):  # first-fit decreasing never needs more than 11/9 OPT + 1 bins
+        assert len(batches) <= 11 / 9 * (sum(lengths) / budget) + 2
+    assert pack(lengths, budget) == batches
+
+
+def test_micro_batch_positions_and_mask():
+    s = random_groups(0, num_groups=1, group_size=1)[0][0].replace(advantage=0.5)
+    p, r = len(s.prompt.input_ids), len(s.response_ids)
+    mb = build_micro_batch([s], aggregation="seq_mean", layout="padded")
+    tokens = s.prompt.input_ids + s.response_ids
+    assert mb.input_ids[0].tolist() == tokens
+    # position i predicts token i+1: the loss covers exactly the response tokens
+    assert mb.labels[0][mb.loss_mask[0] > 0].tolist() == s.response_ids
+    assert int(mb.loss_mask.sum()) == r and int(mb.sequence_starts.sum()) == 1
+    assert mb.loss_mask[0, p - 1] == 1 and mb.sequence_starts[0, p - 1] == 1
+    assert mb.weights[0, 0].item() == pytest.approx(1 / r)
+
+
+def test_padded_and_thd_layouts_have_identical_numerics():
+    samples = [s.replace(advantage=float(i % 3) - 1) for i, s in
+               enumerate(x for g in random_groups(1, num_groups=3, with_logprobs=True) for x in g)]
+    padded = build_micro_batch(samples, aggregation="seq_mean", layout="padded")
+    thd = build_micro_batch(samples, aggregation="seq_mean", layout="thd", pad_multiple=4)
+    assert thd.input_ids.shape[0] == 1 and padded.input_ids.shape[0] == len(samples)
+    assert (thd.cu_seqlens.diff() % 4 == 0).all()
+    assert thd.cu_seqlens_unpadded.diff().tolist() == [sequence_length(s) for s in samples]
+    assert thd.num_tokens == padded.num_tokens
+
+    def loss(mb):  # a stand-in "model": log-prob that depends on token, label and position
+        logp = -(mb.input_ids * 7 + mb.labels * 3 + mb.position_ids).remainder(11).double() / 5 - 0.1
+        return grpo_token_loss(logp, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
+                               clip_low=0.2, clip_high=0.28, old_logprobs=logp.detach() - 0.3 * mb.advantages,
+                               rollout_logprobs=mb.rollout_logprobs, sequence_starts=mb.sequence_starts)
+
+    a, b = loss(padded), loss(thd)
+    assert torch.allclose(a.as_vector(), b.as_vector(), rtol=1e-12, atol=1e-12)
+    assert float(a.clipped) > 0  # the check covers the clipped branch too
+
+
+def test_plan_respects_budget_and_refuses_untrainable_samples():
+    samples = [s.replace(advantage=1.0) for g in random_groups(2, num_groups=4) for s in g]
+    mbs = plan_micro_batches(samples, budget=40, aggregation="token_mean", layout="padded")
+    assert sum(mb.num_tokens for mb in mbs) == sum(sequence_length(s) for s in samples)
+    assert all(mb.num_tokens <= 40 or mb.input_ids.shape[0] == 1 for mb in mbs)
+    with pytest.raises(ValueError, match="no advantage"):
+        build_micro_batch([samples[0].replace(advantage=None)], aggregation="token_mean", layout="padded")
+    with pytest.raises(ValueError, match="no response tokens"):
+        build_micro_batch([samples[0].replace(response_ids=[])], aggregation="token_mean", layout="padded")
+    with pytest.raises(ValueError, match="rollout log-probs"):
+        build_micro_batch([samples[0].replace(rollout_logprobs=[-1.0] * 999)], aggregation="token_mean",
+                          layout="padded")

@@ -1,0 +1,51 @@
+"""Stream trainer on 2 data-parallel ranks (real torchrun, gloo, the Megatron Qwen2 model):
+a step fed in any order, split between ranks and remainder in any way, equals the one-shot step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollpacker.testing import make_random_qwen2, run_torchrun
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("stream")
+    model_dir = make_random_qwen2(tmp / "model", seed=7)
+    out = tmp / "out.json"
+    run_torchrun(2, ["tests/dist/trainer_stream.py", str(model_dir), str(out)], timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_streamed_gradient_equals_one_shot(results, aggregation):
+    r = results[aggregation]
+    assert len(r["streamed"]) == 4
+    for run in r["streamed"]:
+        assert run["rel_grad_diff"] < 1e-5, run
+        assert run["rel_param_diff"] < 1e-5, run
+        assert run["metrics"]["skipped"] == 0
+        assert run["metrics"]["tokens"] == r["one_shot"]["tokens"]
+        assert run["metrics"]["sequences"] == r["one_shot"]["sequences"] == 24
+        assert run["metrics"]["loss"] == pytest.approx(r["one_shot"]["loss"], abs=1e-6)
+
+
+def test_stream_accounting(results):
+    r = results["token_mean"]
+    assert r["one_shot"]["stream_groups_before_rollout_end"] == 0
+    assert r["one_shot"]["stream_overlap_share"] == 0.0
+    everything_streamed = r["streamed"][0]
+    assert everything_streamed["split"] == ["r1"] * 6
+    assert everything_streamed["metrics"]["stream_groups_before_rollout_end"] == 6
+    assert everything_streamed["metrics"]["stream_overlap_share"] == 1.0
+    for run in r["streamed"][1:]:
+        streamed = sum(w != "rest" for w in run["split"])
+        assert run["metrics"]["stream_groups_before_rollout_end"] == streamed
+        assert 0.0 < run["metrics"]["stream_overlap_share"] < 1.0 or streamed in (0, 6)
+
+
+def test_one_optimizer_step_and_replicas_agree(results):
+    for r in results.values():
+        assert r["optimizer_steps"] == 1  # AdamW's step counter after the last (streamed) step
+        assert r["replicas_equal_after_step"]

@@ -1,0 +1,160 @@
+"""The Trainer on the real Megatron Qwen2 model (CPU backend, one process).
+
+NaN/Inf skips the step and keeps the weights; exact resume from state_dict;
+the KL reference is swapped in and out bit-identically; engine log-probs feed
+the ratio and the mismatch metric; padding does not change the numerics.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_ext.parallel import setup_layout, teardown_layout
+from rollpacker.testing import make_random_qwen2
+from rollpacker.trainer.backend import logprobs_only
+from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.packing import build_micro_batch
+from rollpacker.trainer.stream import with_advantages
+from rollpacker.trainer.trainer import Trainer
+from tests.dist.trainer_fixtures import random_groups
+
+
+@pytest.fixture(scope="module")
+def layout():
+    torch.set_num_threads(1)
+    layout = setup_layout(1, 1, 1)
+    yield layout
+    teardown_layout(layout)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_qwen2(tmp_path_factory.mktemp("model"), seed=11)
+
+
+def make(layout, model_dir, **overrides) -> Trainer:
+    cfg = TrainerConfig(**{"lr": 1e-3, "params_dtype": "fp32", "micro_batch_tokens": 64, **overrides})
+    return Trainer(cfg, model_dir, layout)
+
+
+def params(trainer: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def sequence_logprobs(trainer: Trainer, samples) -> list[torch.Tensor]:
+    mb = build_micro_batch(samples, aggregation="token_mean", layout="padded")
+    fn = partial(logprobs_only, tp_group=trainer.layout.tp_group, vocab_size=trainer.backend.vocab_size)
+    [lp] = trainer.backend.forward_backward([mb], fn, forward_only=True)
+    return [row[mask > 0] for row, mask in zip(lp, mb.loss_mask)]
+
+
+def test_padding_does_not_change_logprobs(layout, model_dir):
+    trainer = make(layout, model_dir)
+    samples = [s.replace(advantage=1.0) for s in random_groups(0, num_groups=2, group_size=3)[1]]
+    together = sequence_logprobs(trainer, samples)
+    for s, lp in zip(samples, together):
+        [alone] = sequence_logprobs(trainer, [s])
+        assert torch.allclose(lp, alone, rtol=0, atol=1e-5)
+
+
+def test_nan_or_inf_skips_the_step_and_training_continues(layout, model_dir):
+    trainer = make(layout, model_dir)
+    groups = random_groups(1, num_groups=2)
+    before = params(trainer)
+    opt_before = trainer.backend.optimizer.state_dict()["state"]
+
+    nan_reward = [[s.replace(reward=float("nan")) if s.response_index == 0 else s for s in g] for g in groups]
+    metrics = trainer.train_step(nan_reward)  # NaN advantages -> NaN loss
+    assert metrics["skipped"] == 1 and trainer.steps == 0
+    assert same(params(trainer), before) and trainer.backend.optimizer.state_dict()["state"] == opt_before
+
+    param = next(trainer.model.parameters())
+    hook = param.register_hook(lambda g: g * float("inf"))  # finite loss, Inf gradient
+    metrics = trainer.train_step(groups)
+    hook.remove()
+    assert metrics["skipped"] == 1 and not torch.isfinite(torch.tensor(metrics["grad_norm"]))
+    assert same(params(trainer), before)
+
+    metrics = trainer.train_step(groups)
+    assert metrics["skipped"] == 0 and trainer.steps == 1
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["grad_norm"] > 0
+    assert not same(params(trainer), before)
+
+
+def test_exact_resume_from_state_dict(layout, model_dir):
+    trainer = make(layout, model_dir)
+    g1, g2 = random_groups(2, num_groups=2), random_groups(3, num_groups=2)
+    trainer.train_step(g1)
+    state = trainer.state_dict()
+    m2 = trainer.train_step(g2)
+    after = params(trainer)
+
+    fresh = make(layout, model_dir)
+    fresh.load_state_dict(state)
+    assert fresh.steps == 1
+    m2_again = fresh.train_step(g2)
+    for key in ("loss", "grad_norm", "entropy", "tokens"):
+        assert m2_again[key] == m2[key]
+    assert same(params(fresh), after)
+
+
+def test_kl_reference_is_swapped_in_and_out(layout, model_dir):
+    trainer = make(layout, model_dir, kl_coef=0.5, lr=1e-2)
+    groups = random_groups(4, num_groups=2)
+    first = trainer.train_step(groups)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-12)  # policy == reference before any update
+    current = params(trainer)
+    with trainer.backend.swapped_params(trainer.stream.reference):
+        assert same(params(trainer), [trainer.stream.reference[n] for n, _ in trainer.model.named_parameters()])
+    assert same(params(trainer), current)  # swapped back bit-identically
+    second = trainer.train_step(groups)
+    assert second["kl"] > 1e-6
+    assert second["loss"] != pytest.approx(second["pg_loss"])  # the penalty is part of the loss
+
+
+def test_engine_logprobs_drive_the_ratio_and_the_mismatch_metric(layout, model_dir):
+    recompute = make(layout, model_dir)
+    engine = make(layout, model_dir, old_logprobs="engine")
+    groups = random_groups(5, num_groups=2)
+    exact = []
+    for g in groups:
+        with_adv = with_advantages(g, recompute.cfg)
+        lps = sequence_logprobs(recompute, with_adv)
+        exact.append([s.replace(rollout_logprobs=lp.tolist()) for s, lp in zip(g, lps)])
+    ref = recompute.train_step(exact)
+    same_policy = engine.train_step(exact)
+    assert same_policy["logprob_mismatch"] == pytest.approx(0.0, abs=1e-5)
+    assert same_policy["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+
+    shifted = [[s.replace(rollout_logprobs=[x + 0.4 for x in s.rollout_logprobs]) for s in g] for g in exact]
+    off_policy = make(layout, model_dir, old_logprobs="engine").train_step(shifted)
+    assert off_policy["logprob_mismatch"] == pytest.approx(0.4, abs=1e-4)
+    assert off_policy["clip_frac"] > 0  # ratio exp(-0.4) = 0.67 clips the negative-advantage tokens
+
+    no_logprobs = make(layout, model_dir, old_logprobs="engine")
+    with pytest.raises(ValueError, match="old_logprobs=engine"):
+        no_logprobs.train_step(groups)
+
+
+def test_offload_keeps_weights_and_hf_export_round_trips(layout, model_dir, tmp_path):
+    trainer = make(layout, model_dir)
+    trainer.train_step(random_groups(6, num_groups=2))
+    before = params(trainer)
+    assert trainer.offload() >= 0 and trainer.onload() >= 0
+    assert same(params(trainer), before)
+    trainer.save_hf(tmp_path / "hf")
+    reloaded = Trainer(trainer.cfg, tmp_path / "hf", layout)
+    assert same(params(reloaded), before)
+    names = [n for n, _ in trainer.iter_hf_tensors()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_layout_mismatch_is_refused(layout, model_dir):
+    with pytest.raises(ValueError, match="trainer.tp/pp/cp"):
+        make(layout, model_dir, tp=2)
