@@ -1,0 +1,156 @@
+"""Quality figures of a starting policy on the built-in task.
+
+    python -m rollpacker.examples.policy_report [--policy assets/policy] [--data assets/data/eval.jsonl]
+
+Samples ``n`` responses per held-out prompt at temperature 1.0 and reports
+what tail batching and GRPO need from a starting policy:
+
+- pass@1 (mean correctness over all responses) -- GRPO needs groups that are
+  neither all right nor all wrong;
+- max / median response length over the whole batch -- the long tail;
+- Spearman correlation, over prompts, of the mean response length in two
+  independent halves of the samples -- length is a property of the prompt.
+
+``report_from_lengths`` takes plain per-prompt lists, so a rollout engine's
+samples are scored the same way as the transformers sampler used here.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rollpacker.data.dataset import PromptDataset
+from rollpacker.examples.task import score_response
+from rollpacker.sample import Prompt
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    num_prompts: int
+    responses_per_prompt: int
+    pass_at_1: float
+    median_length: float
+    max_length: int
+    max_over_median: float
+    length_spearman: float  # per-prompt mean length, first half of samples vs second half
+
+    def summary(self) -> str:
+        return (f"{self.num_prompts} prompts x {self.responses_per_prompt} responses: "
+                f"pass@1 {self.pass_at_1:.3f}, median length {self.median_length:.0f}, "
+                f"max length {self.max_length}, max/median {self.max_over_median:.1f}, "
+                f"length Spearman (halves) {self.length_spearman:.3f}")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"spearman needs two equal-length lists of >= 2 values, got {len(x)} and {len(y)}")
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var > 0 else 0.0
+
+
+def report_from_lengths(lengths: list[list[int]], correct: list[list[bool]]) -> PolicyReport:
+    """Figures from per-prompt response lengths (tokens) and correctness, ``n`` (even) per prompt."""
+    n = len(lengths[0])
+    if n < 2 or n % 2 or any(len(row) != n for row in lengths) or len(correct) != len(lengths):
+        raise ValueError("need the same even number (>= 2) of responses for every prompt")
+    flat = [length for row in lengths for length in row]
+    median = statistics.median(flat)
+    half = n // 2
+    return PolicyReport(
+        num_prompts=len(lengths), responses_per_prompt=n,
+        pass_at_1=statistics.fmean(float(c) for row in correct for c in row),
+        median_length=median, max_length=max(flat), max_over_median=max(flat) / median,
+        length_spearman=spearman([statistics.fmean(row[:half]) for row in lengths],
+                                 [statistics.fmean(row[half:]) for row in lengths]),
+    )
+
+
+def sample_responses(model, prompts: list[Prompt], *, n: int, eos_token_id: int, temperature: float = 1.0,
+                     max_new_tokens: int = 512, batch_tokens: int = 8192, seed: int = 0) -> list[list[list[int]]]:
+    """``n`` sampled responses (token ids, through the EOS) per prompt, with transformers ``generate``.
+
+    Prompts go in order of prompt length, which for the built-in task tracks
+    response length, so a static batch's rows finish at about the same time.
+    """
+    torch.manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].input_ids))
+    out: list[list[list[int]]] = [[] for _ in prompts]
+    start = 0
+    while start < len(order):
+        width = len(prompts[order[start]].input_ids) + max_new_tokens
+        count = max(1, batch_tokens // (width * n))
+        batch = order[start : start + count]
+        start += count
+        longest = max(len(prompts[i].input_ids) for i in batch)
+        input_ids = torch.full((len(batch), longest), eos_token_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, i in enumerate(batch):  # left padding: generation continues every row at the end
+            ids = prompts[i].input_ids
+            input_ids[row, longest - len(ids):] = torch.tensor(ids)
+            mask[row, longest - len(ids):] = 1
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n,
+                eos_token_id=eos_token_id, pad_token_id=eos_token_id)[:, longest:]
+        for row, seq in enumerate(generated.tolist()):
+            response = seq[: seq.index(eos_token_id) + 1] if eos_token_id in seq else seq
+            out[batch[row // n]].append(response)
+    return out
+
+
+def evaluate_policy(policy_dir: str, data_file: str, *, n: int = 8, seed: int = 0, threads: int = 2,
+                    max_new_tokens: int = 512, max_prompt_length: int = 128
+                    ) -> tuple[PolicyReport, list[list[int]]]:
+    """Sample the policy on ``data_file`` and score it; also returns the per-prompt lengths."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    dataset = PromptDataset([data_file], tokenizer, max_prompt_length=max_prompt_length, shuffle=False)
+    prompts = dataset.take(len(dataset))
+    responses = sample_responses(model, prompts, n=n, eos_token_id=tokenizer.eos_token_id,
+                                 max_new_tokens=max_new_tokens, seed=seed)
+    lengths = [[len(r) for r in rs] for rs in responses]
+    correct = [[score_response(tokenizer.decode(r, skip_special_tokens=True), str(p.ground_truth))[0]
+                for r in rs] for p, rs in zip(prompts, responses)]
+    return report_from_lengths(lengths, correct), lengths
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", default="assets/policy")
+    parser.add_argument("--data", default="assets/data/eval.jsonl")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    report, _ = evaluate_policy(args.policy, args.data, n=args.n, seed=args.seed, threads=args.threads)
+    print(report.summary())
+    print(asdict(report))
+
+
+if __name__ == "__main__":
+    main()

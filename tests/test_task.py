@@ -1,0 +1,91 @@
+"""The stepchain task: generator, derivations, strict scoring, tokenizer."""
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from rollpacker.examples import task
+from rollpacker.examples.tokenizer import save_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    save_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_rows_follow_the_verl_schema_and_are_reproducible():
+    rows = task.generate_rows(50, seed=11)
+    assert rows == task.generate_rows(50, seed=11)
+    assert rows != task.generate_rows(50, seed=12)
+    row = rows[0]
+    assert row["data_source"] == task.TASK_NAME == "stepchain"
+    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].startswith("Start at ")
+    assert row["reward_model"]["style"] == "rule" and isinstance(row["reward_model"]["ground_truth"], str)
+    assert 1 <= row["extra_info"]["num_steps"] <= task.MAX_STEPS
+
+
+def test_derivation_of_a_known_chain():
+    problem = task.Problem(start=7, operations=("+3", "*2", "-5", "*9", "-9"))
+    assert problem.prompt_text() == "Start at 7, apply #1+3#2*2#3-5#4*9#5-9 mod 20."
+    assert task.derivation(problem) == "#1:7+3=10\n#2:10*2=0\n#3:0-5=15\n#4:15*9=15\n#5:15-9=6\nAnswer: 6"
+    assert task.score_response(task.derivation(problem), "6") == (True, "ok")
+    assert task.apply_operation(3, "-5") == 18  # values stay in 0..MODULUS-1
+
+
+def test_step_counts_are_heavy_tailed():
+    steps = [row["extra_info"]["num_steps"] for row in task.generate_rows(4000, seed=0)]
+    median = statistics.median(steps)
+    assert median == 3
+    assert max(steps) == task.MAX_STEPS
+    assert sum(s >= 10 * median for s in steps) / len(steps) > 0.02  # a real tail, not a few outliers
+    assert sum(s <= 2 * median for s in steps) / len(steps) > 0.6
+
+
+@pytest.mark.parametrize("response, reason", [
+    ("#1:7+3=10\nAnswer: 10", "ok"),
+    ("Answer: 10\n", "ok"),
+    ("#1:7+3=11\nAnswer: 11", "wrong_answer"),
+    ("Answer: 010", "wrong_answer"),
+    ("#1:7+3=10", "no_answer"),
+    ("", "no_answer"),
+    ("Answer: 10\n#2:10+1=11", "no_answer"),  # an answer that is not the last line does not count
+    ("Answer:10", "no_answer"),
+    ("The answer is 10", "no_answer"),
+    ("Answer: 10 or 11", "no_answer"),
+])
+def test_scoring_is_strict(response, reason):
+    assert task.score_response(response, "10") == (reason == "ok", reason)
+
+
+def test_noisy_derivations_keep_the_chain_consistent():
+    rng = random.Random(0)
+    problem = task.sample_problem(random.Random(1), num_steps=40)
+    noisy = task.derivation(problem, rng=rng, error_rate=0.5)
+    lines = noisy.splitlines()
+    assert len(lines) == 41 and noisy != task.derivation(problem)
+    previous = str(problem.start)
+    for line in lines[:-1]:  # each step starts from the value the previous step wrote
+        head, result = line.split("=")
+        assert head.split(":")[1].startswith(previous)
+        previous = result
+    assert lines[-1] == f"Answer: {previous}"
+
+
+def test_tokenizer_round_trip_and_fixed_costs(tokenizer):
+    problem = task.sample_problem(random.Random(3), num_steps=task.MAX_STEPS)
+    response = task.derivation(problem)
+    ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == response
+    assert len(ids) == 7 * task.MAX_STEPS + 4  # 7 tokens a step, 4 for the answer line
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text()}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= 128  # data.max_prompt_length
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
