@@ -1,0 +1,11 @@
+"""The rollout scheduler: tail batching, its baseline, and the parallelism planner."""
+from rollpacker.scheduler.clock import Clock, RealClock, VirtualClock
+from rollpacker.scheduler.planner import ParallelismPlanner, TPProfile
+from rollpacker.scheduler.protocols import EventSource, PromptSource, RewardSink, Score, ScoreFuture
+from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult, RoundStats
+from rollpacker.scheduler.scheduler import Scheduler
+from rollpacker.scheduler.sources import ListPromptSource
+
+__all__ = ["Clock", "RealClock", "VirtualClock", "ParallelismPlanner", "TPProfile", "EventSource", "PromptSource",
+           "RewardSink", "Score", "ScoreFuture", "RoundKind", "RoundPlan", "RoundResult", "RoundStats", "Scheduler",
+           "ListPromptSource"]

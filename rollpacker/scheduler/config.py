@@ -33,12 +33,15 @@ class SchedulerConfig:
     eta_p: float = 1.25  # prompt over-launch factor in short rounds
     eta_r: float = 1.25  # response over-launch factor in short rounds
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    idle_poll_s: float = 0.005  # real clock: how long one engine poll may block when nothing finished
 
     def validate(self) -> None:
         if self.p0 < 1 or self.r0 < 1:
             raise ConfigError(f"p0 and r0 must be >= 1, got p0={self.p0} r0={self.r0}")
         if self.mode == "dynamic_sampling" and self.r0 < 2:
             raise ConfigError("r0 must be >= 2 for dynamic_sampling (zero-variance needs a group)")
+        if self.idle_poll_s <= 0:
+            raise ConfigError(f"idle_poll_s must be > 0, got {self.idle_poll_s}")
         for name in ("eta_p", "eta_r"):
             if getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be >= 1.0, got {getattr(self, name)}")

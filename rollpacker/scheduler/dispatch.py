@@ -1,0 +1,148 @@
+"""Dispatch over a round's engines: load balancing, driving, slot accounting.
+
+``RolloutEngine.poll`` is the only call that advances an engine. On a real
+clock the driver polls every engine without blocking and, after a sweep that
+returned nothing, lets one engine block briefly (round robin) so that a
+waiting scheduler does not spin. On a ``VirtualClock`` nothing moves by
+itself: the driver asks every ``EventSource`` (simulated engines, a reward
+model with latency) for its next event, advances the clock to the earliest,
+then polls every engine, which simulates itself up to the new time.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngine
+from rollpacker.scheduler.clock import Clock, VirtualClock
+from rollpacker.scheduler.protocols import EventSource
+
+
+class StalledError(RuntimeError):
+    """Requests are outstanding but nothing can make progress (virtual clock)."""
+
+
+class EngineDriver:
+    def __init__(self, engines: Sequence[RolloutEngine], clock: Clock, *, idle_poll_s: float = 0.005,
+                 event_sources: Sequence[object] = ()) -> None:
+        if not engines:
+            raise ValueError("a round needs at least one rollout engine")
+        self._engines = list(engines)
+        self._clock = clock
+        self._idle_poll_s = idle_poll_s
+        self._virtual = isinstance(clock, VirtualClock)
+        if self._virtual:
+            not_simulated = [i for i, e in enumerate(engines) if not isinstance(e, EventSource)]
+            if not_simulated:
+                raise TypeError(f"engines {not_simulated} do not implement next_event_time(); "
+                                "a VirtualClock needs simulated engines")
+        self._event_sources = [*engines, *(s for s in event_sources if isinstance(s, EventSource))]
+        self._owner: dict[str, int] = {}  # outstanding request id -> engine index
+        self._load = [0] * len(engines)  # outstanding requests per engine
+        self._prompt_tokens = [0] * len(engines)
+        self._tokens_of: dict[str, int] = {}
+        self._next_blocking = 0
+        # slot accounting
+        self._start = clock.now()
+        self._last = self._start
+        self._busy_slot_seconds = 0.0
+        self._peak = [0] * len(engines)
+        stats = [e.stats() for e in engines]
+        self._preemptions0 = [s.preemptions for s in stats]
+        self._tokens0 = [s.tokens_generated for s in stats]
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._owner)
+
+    def outstanding_ids(self) -> list[str]:
+        return list(self._owner)
+
+    def submit(self, requests: Iterable[GenerationRequest]) -> None:
+        """Send each request to the engine with the fewest outstanding requests
+        (then fewest outstanding prompt tokens); one prompt's responses spread."""
+        self._account()
+        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._prompt_tokens))]
+        heapq.heapify(heap)
+        batches: dict[int, list[GenerationRequest]] = defaultdict(list)
+        for req in requests:
+            if req.request_id in self._owner:
+                raise ValueError(f"request {req.request_id} is already outstanding")
+            load, toks, i = heapq.heappop(heap)
+            batches[i].append(req)
+            self._owner[req.request_id] = i
+            self._tokens_of[req.request_id] = len(req.input_ids)
+            heapq.heappush(heap, (load + 1, toks + len(req.input_ids), i))
+        for i, batch in batches.items():
+            self._engines[i].submit(batch)
+            self._load[i] += len(batch)
+            self._prompt_tokens[i] += sum(len(r.input_ids) for r in batch)
+            self._peak[i] = max(self._peak[i], self._load[i])
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._account()
+        by_engine: dict[int, list[str]] = defaultdict(list)
+        for rid in request_ids:
+            if rid in self._owner:
+                by_engine[self._release(rid)].append(rid)
+        for i, ids in by_engine.items():
+            self._engines[i].abort(ids)
+
+    def poll(self) -> list[Completion]:
+        """Advance the engines; return the completions of outstanding requests."""
+        if self._virtual:
+            self._advance_virtual_clock()
+            raw = [c for e in self._engines for c in e.poll(0.0)]
+        else:
+            raw = [c for e in self._engines for c in e.poll(0.0)]
+            if not raw and self._owner:
+                engine = self._engines[self._next_blocking % len(self._engines)]
+                self._next_blocking += 1
+                raw = engine.poll(self._idle_poll_s)
+        self._account()
+        done = []
+        for c in raw:
+            if c.request_id in self._owner:  # a completion racing its own abort is dropped
+                self._release(c.request_id)
+                done.append(c)
+        return done
+
+    def wait_for_time(self) -> None:
+        """Wait for something other than the engines (reward scores): on a
+        virtual clock, move to the next simulated event; else sleep briefly."""
+        if self._virtual:
+            self._advance_virtual_clock()
+        else:
+            time.sleep(self._idle_poll_s)
+
+    def bubble_fraction(self) -> float:
+        self._account()
+        slot_seconds = sum(self._peak) * (self._last - self._start)
+        return 0.0 if slot_seconds <= 0 else max(0.0, 1.0 - self._busy_slot_seconds / slot_seconds)
+
+    def counters(self) -> tuple[int, int]:
+        """(preemptions, generated tokens) since this driver was created."""
+        stats = [e.stats() for e in self._engines]
+        pre = sum(s.preemptions for s in stats) - sum(self._preemptions0)
+        toks = sum(s.tokens_generated for s in stats) - sum(self._tokens0)
+        return pre, toks
+
+    def _advance_virtual_clock(self) -> None:
+        times = [t for t in (s.next_event_time() for s in self._event_sources) if t is not None]
+        if not times:
+            raise StalledError(f"{self.outstanding} requests outstanding but no simulated event is scheduled")
+        now = self._clock.now()
+        self._clock.advance_to(max(now, min(times)))  # type: ignore[attr-defined]
+
+    def _release(self, rid: str) -> int:
+        i = self._owner.pop(rid)
+        self._load[i] -= 1
+        self._prompt_tokens[i] -= self._tokens_of.pop(rid)
+        return i
+
+    def _account(self) -> None:
+        now = self._clock.now()
+        self._busy_slot_seconds += sum(self._load) * (now - self._last)
+        self._last = now

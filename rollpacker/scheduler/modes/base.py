@@ -1,0 +1,48 @@
+"""The interface of a round policy: which prompts a round launches, which
+complete groups it keeps, and what replaces a group it drops.
+
+Everything a policy does not decide is common to all modes and lives in the
+round runner: dispatch, the race to ``target_groups`` kept groups, aborting
+extras and leftovers, and deferring unfinished prompts to the queue.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from rollpacker.sample import Prompt, Sample
+from rollpacker.scheduler.config import SchedulerConfig
+from rollpacker.scheduler.protocols import PromptSource
+from rollpacker.scheduler.queue import LongPromptQueue
+from rollpacker.scheduler.round import RoundKind
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    kind: RoundKind
+    prompts: list[Prompt]
+    n_responses: int
+
+
+def over_launch(eta: float, n: int) -> int:
+    """⌈eta·n⌉, robust to float noise (1.1 * 10 is 11.000000000000002)."""
+    return math.ceil(round(eta * n, 9))
+
+
+class RoundPolicy(abc.ABC):
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+
+    @abc.abstractmethod
+    def next_round(self, queue: LongPromptQueue, source: PromptSource) -> RoundSpec:
+        """Take the next round's prompts from the queue or the source."""
+
+    def keeps(self, group: Sequence[Sample]) -> bool:
+        """Whether a complete, scored group joins the batch (False: filtered, counted)."""
+        return True
+
+    def replacement(self, kind: RoundKind, queue: LongPromptQueue, source: PromptSource) -> Prompt | None:
+        """A prompt to launch in place of a filtered group, or None."""
+        return None

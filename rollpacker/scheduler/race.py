@@ -1,0 +1,176 @@
+"""One round, executed: launch, race to ``target_groups`` kept groups, close.
+
+The same runner serves every mode and round kind. A prompt's *group*
+completes when ``r0`` of its responses have finished generation and, with
+asynchronous reward, scoring; those ``r0`` samples, in the order they
+completed, are the group, and the prompt's other requests are aborted at
+once. The policy keeps the group or filters it (then a replacement may be
+launched). When ``target_groups`` groups are kept the round closes: every
+outstanding request is aborted (partial tokens discarded) and each launched
+prompt whose group did not complete is deferred, in launch order — including
+one whose last responses had finished but were not yet scored. A baseline or
+long round launches exactly ``r0`` responses for ``target_groups`` prompts,
+so it closes only when every response has finished.
+
+With synchronous reward (the "reward after rollout" ablation), a group
+completes on generation alone and the kept samples are scored in one stage
+after the round closes; ``on_group_done`` then fires after that stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rollpacker.rollout.engine import FINISH_ABORT, Completion, GenerationRequest, SamplingParams
+from rollpacker.sample import Prompt, Sample
+from rollpacker.scheduler.clock import Clock
+from rollpacker.scheduler.dispatch import EngineDriver, StalledError
+from rollpacker.scheduler.protocols import RewardSink, ScoreFuture
+from rollpacker.scheduler.round import RoundPlan, RoundResult, RoundStats
+
+GroupCallback = Callable[[list[Sample]], None]
+
+
+@dataclass
+class _Group:
+    prompt: Prompt
+    index: int  # launch order within the round
+    open: set[str] = field(default_factory=set)  # request ids still outstanding
+    ready: list[Sample] = field(default_factory=list)  # generated (and scored, if async), in order
+    scoring: dict[str, tuple[Sample, ScoreFuture]] = field(default_factory=dict)
+    complete: bool = False
+
+
+class RoundRunner:
+    def __init__(self, plan: RoundPlan, *, r0: int, driver: EngineDriver, reward: RewardSink, clock: Clock,
+                 sampling: SamplingParams, async_reward: bool,
+                 keeps: Callable[[list[Sample]], bool],
+                 replacement: Callable[[], Prompt | None],
+                 on_group_done: GroupCallback | None) -> None:
+        if plan.n_responses < r0:
+            raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={r0}")
+        self.plan, self.r0, self.driver, self.reward, self.clock = plan, r0, driver, reward, clock
+        self.sampling, self.async_reward = sampling, async_reward
+        self.keeps, self.replacement, self.on_group_done = keeps, replacement, on_group_done
+        self.groups: list[_Group] = []  # launch order
+        self.by_request: dict[str, tuple[_Group, Sample]] = {}
+        self.kept: list[list[Sample]] = []
+        self.filtered: list[Prompt] = []
+        self.scoring_groups: set[int] = set()  # indices into self.groups with futures pending
+
+    def run(self) -> RoundResult:
+        start = self.clock.now()
+        for prompt in self.plan.prompts:
+            self._launch(prompt)
+        while len(self.kept) < self.plan.target_groups:
+            if self.driver.outstanding:
+                for completion in self.driver.poll():
+                    self._on_completion(completion)
+            elif self.scoring_groups:
+                self.driver.wait_for_time()
+            else:
+                raise StalledError(f"round {self.plan.index}: {len(self.kept)}/{self.plan.target_groups} groups "
+                                   "kept and nothing left running; an engine lost requests")
+            self._collect_scores()
+        self.driver.abort(self.driver.outstanding_ids())
+        rollout_end = self.clock.now()
+        bubble = self.driver.bubble_fraction()
+        if not self.async_reward:
+            self._score_after_rollout()
+        return self._result(start, rollout_end, bubble)
+
+    def _launch(self, prompt: Prompt) -> None:
+        group = _Group(prompt, len(self.groups))
+        self.groups.append(group)
+        now = self.clock.now()
+        requests = []
+        for r in range(self.plan.n_responses):
+            sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
+            self.by_request[sample.request_id] = (group, sample)
+            group.open.add(sample.request_id)
+            requests.append(GenerationRequest(sample.request_id, prompt.input_ids, self.sampling))
+        self.driver.submit(requests)
+
+    def _on_completion(self, c: Completion) -> None:
+        group, sample = self.by_request[c.request_id]
+        group.open.discard(c.request_id)
+        if group.complete or c.finish_reason == FINISH_ABORT:
+            return
+        sample.response_ids = list(c.output_ids)
+        sample.rollout_logprobs = list(c.logprobs)
+        sample.finish_reason = c.finish_reason
+        sample.finished_at = self.clock.now()
+        if self.async_reward:
+            group.scoring[c.request_id] = (sample, self.reward.submit(sample))
+            self.scoring_groups.add(group.index)
+        else:
+            self._ready(group, sample)
+
+    def _collect_scores(self) -> None:
+        for gi in sorted(self.scoring_groups):
+            group = self.groups[gi]
+            for rid, (sample, future) in list(group.scoring.items()):
+                if group.complete or len(self.kept) >= self.plan.target_groups:
+                    break
+                if future.done():
+                    del group.scoring[rid]
+                    _fill_score(sample, future, self.clock.now())
+                    self._ready(group, sample)
+            if group.complete or not group.scoring:
+                self.scoring_groups.discard(gi)
+
+    def _ready(self, group: _Group, sample: Sample) -> None:
+        group.ready.append(sample)
+        if len(group.ready) < self.r0:
+            return
+        group.complete = True
+        group.scoring.clear()  # late scores of the extras are ignored
+        self.driver.abort(group.open)
+        group.open.clear()
+        if not self.keeps(group.ready):
+            self.filtered.append(group.prompt)
+            extra = self.replacement()
+            if extra is not None:
+                self._launch(extra)
+            return
+        self.kept.append(group.ready)
+        if self.async_reward and self.on_group_done is not None:
+            self.on_group_done(group.ready)
+
+    def _score_after_rollout(self) -> None:
+        pending = [(s, self.reward.submit(s)) for group in self.kept for s in group]
+        for sample, future in pending:
+            while not future.done():
+                self.driver.wait_for_time()
+            _fill_score(sample, future, self.clock.now())
+        if self.on_group_done is not None:
+            for group in self.kept:
+                self.on_group_done(group)
+
+    def _result(self, start: float, rollout_end: float, bubble: float) -> RoundResult:
+        preemptions, generated = self.driver.counters()
+        batch_tokens = sum(s.num_response_tokens for g in self.kept for s in g)
+        deferred = [g.prompt for g in self.groups if not g.complete]
+        stats = RoundStats(
+            rollout_seconds=rollout_end - start,
+            reward_seconds=self.clock.now() - rollout_end,
+            bubble_fraction=bubble,
+            generated_tokens=generated,
+            batch_tokens=batch_tokens,
+            wasted_tokens=max(0, generated - batch_tokens),
+            preemptions=preemptions,
+            launched_prompts=len(self.groups),
+            launched_responses=len(self.groups) * self.plan.n_responses,
+            kept_prompts=len(self.kept),
+            filtered_prompts=len(self.filtered),
+            deferred_prompts=len(deferred),
+        )
+        return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered, deferred, stats)
+
+
+def _fill_score(sample: Sample, future: ScoreFuture, now: float) -> None:
+    score = future.result()
+    sample.reward = float(score.reward)
+    sample.correct = score.correct
+    sample.reward_reason = score.reason
+    sample.scored_at = now

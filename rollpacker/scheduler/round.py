@@ -1,0 +1,75 @@
+"""The records of one rollout round: what is planned, and what came out."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from rollpacker.sample import Prompt, Sample
+
+
+class RoundKind(str, enum.Enum):
+    SHORT = "short"  # tail batching: over-launched race to P0 done prompts
+    LONG = "long"  # the first P0 queued prompts, exactly R0 responses each, run to the limit
+    BASELINE = "baseline"  # synchronous P0 x R0, waits for the longest response
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round as decided by ``Scheduler.plan_round``.
+
+    The program regroups its rollout ranks into engines of ``tp`` ranks each
+    before calling ``Scheduler.run_round`` with this plan.
+    """
+
+    index: int  # rounds planned before this one
+    kind: RoundKind
+    tp: int  # rollout tensor-parallel size chosen by the planner
+    prompts: tuple[Prompt, ...]  # launched at the start, in launch order
+    n_responses: int  # responses launched per prompt
+    target_groups: int  # P0: the round ends when this many groups are kept
+
+
+@dataclass
+class RoundStats:
+    """Measurements of one round, on the scheduler's clock.
+
+    ``bubble_fraction``: each engine has as many *slots* as the most requests
+    it held outstanding (submitted, not yet finished or aborted) at any moment
+    of the round. Slot-time is slots x round duration; a slot is busy while
+    it holds an outstanding request. The bubble is the idle share of all
+    engines' slot-time: 0 when every engine stays full until the round ends,
+    close to 1 when a few stragglers keep the round open.
+    """
+
+    rollout_seconds: float = 0.0  # launch -> P0 groups complete (with async reward: generated and scored)
+    reward_seconds: float = 0.0  # after-rollout scoring stage (synchronous reward mode only)
+    bubble_fraction: float = 0.0
+    generated_tokens: int = 0  # all response tokens the engines produced in this round
+    batch_tokens: int = 0  # response tokens in the returned batch
+    wasted_tokens: int = 0  # generated - batch: aborted partials, unused extras, deferred and filtered prompts
+    preemptions: int = 0  # engine KV-cache preemptions in this round
+    launched_prompts: int = 0
+    launched_responses: int = 0
+    kept_prompts: int = 0
+    filtered_prompts: int = 0  # dynamic sampling: zero-variance groups dropped
+    deferred_prompts: int = 0  # pushed to the long-prompt queue by this round
+    queue_length: int = 0  # long-prompt queue after this round
+
+    @property
+    def round_seconds(self) -> float:
+        return self.rollout_seconds + self.reward_seconds
+
+
+@dataclass
+class RoundResult:
+    index: int
+    kind: RoundKind
+    tp: int
+    groups: list[list[Sample]]  # P0 groups of R0 scored samples, in completion order
+    filtered: list[Prompt] = field(default_factory=list)
+    deferred: list[Prompt] = field(default_factory=list)  # in launch order, now at the back of the queue
+    stats: RoundStats = field(default_factory=RoundStats)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for group in self.groups for s in group]

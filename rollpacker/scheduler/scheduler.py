@@ -1,0 +1,112 @@
+"""The rollout scheduler: plans rounds, runs them over engines, keeps the queue.
+
+Two phases per step so that the program can regroup its ranks in between::
+
+    plan = scheduler.plan_round()              # kind, tp, prompts, n
+    engines = regroup(plan.tp)                 # program's job
+    result = scheduler.run_round(plan, engines, reward, clock=clock)
+    trainer.step(result.groups)
+
+``state_dict`` is valid between rounds (not between ``plan_round`` and
+``run_round``, when the planned prompts are in flight): it holds the
+long-prompt queue, the planner and the counters; the data cursor is the
+``PromptSource``'s own state and is saved beside it.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rollpacker.configlib import ConfigError
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import RolloutEngine, SamplingParams
+from rollpacker.scheduler.clock import Clock
+from rollpacker.scheduler.config import SchedulerConfig
+from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.modes import make_policy
+from rollpacker.scheduler.planner import ParallelismPlanner, TPProfile
+from rollpacker.scheduler.protocols import PromptSource, RewardSink
+from rollpacker.scheduler.queue import LongPromptQueue
+from rollpacker.scheduler.race import GroupCallback, RoundRunner
+from rollpacker.scheduler.round import RoundPlan, RoundResult
+
+_COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred")
+
+
+class Scheduler:
+    """Tail batching (or a baseline) over any set of ``RolloutEngine``s.
+
+    ``async_reward`` True scores every response the moment it finishes and a
+    prompt is done only when R0 responses are generated *and* scored; False
+    is the "reward after rollout" ablation (``RewardConfig.async_scoring``):
+    groups complete on generation and the batch is scored after the round.
+    ``profile``: measured or modeled ``TPProfile`` rows for the planner.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, rollout: RolloutConfig, source: PromptSource, *,
+                 rollout_ranks: int, stop_token_ids: Sequence[int] = (), async_reward: bool = True,
+                 profile: Sequence[TPProfile] = ()) -> None:
+        cfg.validate()
+        rollout.validate()
+        if cfg.mode == "dynamic_sampling" and not async_reward:
+            raise ConfigError("scheduler.mode=dynamic_sampling filters groups on their rewards during the race; "
+                              "it needs asynchronous reward (reward.async_scoring=true)")
+        self.cfg = cfg
+        self.source = source
+        self.async_reward = async_reward
+        self.rollout_ranks = rollout_ranks
+        self.sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                       max_new_tokens=rollout.max_response_length,
+                                       stop_token_ids=tuple(stop_token_ids))
+        self.policy = make_policy(cfg)
+        self.queue = LongPromptQueue()
+        self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._pending: RoundPlan | None = None
+
+    def plan_round(self) -> RoundPlan:
+        if self._pending is not None:
+            raise RuntimeError(f"round {self._pending.index} was planned and not run")
+        spec = self.policy.next_round(self.queue, self.source)
+        tp = self.planner.tp_for(spec.kind, requests=len(spec.prompts) * spec.n_responses,
+                                 max_response_tokens=self.sampling.max_new_tokens)
+        self._pending = RoundPlan(index=self.counters["rounds"], kind=spec.kind, tp=tp, prompts=tuple(spec.prompts),
+                                  n_responses=spec.n_responses, target_groups=self.cfg.p0)
+        return self._pending
+
+    def run_round(self, plan: RoundPlan, engines: Sequence[RolloutEngine], reward: RewardSink, *, clock: Clock,
+                  on_group_done: GroupCallback | None = None) -> RoundResult:
+        """Run ``plan`` to P0 kept groups; ``on_group_done(group)`` fires as each
+        group is kept (after the reward stage in synchronous-reward mode)."""
+        if plan is not self._pending:
+            raise RuntimeError("run_round needs the plan returned by the last plan_round")
+        if len(engines) * plan.tp != self.rollout_ranks:
+            raise ValueError(f"round {plan.index} plans TP {plan.tp} over {self.rollout_ranks} rollout ranks, "
+                             f"i.e. {self.rollout_ranks // plan.tp} engines; got {len(engines)}")
+        driver = EngineDriver(engines, clock, idle_poll_s=self.cfg.idle_poll_s, event_sources=[reward])
+        runner = RoundRunner(
+            plan, r0=self.cfg.r0, driver=driver, reward=reward, clock=clock, sampling=self.sampling,
+            async_reward=self.async_reward, keeps=self.policy.keeps,
+            replacement=lambda: self.policy.replacement(plan.kind, self.queue, self.source),
+            on_group_done=on_group_done)
+        result = runner.run()
+        self._pending = None
+        self.queue.push(result.deferred)
+        result.stats.queue_length = len(self.queue)
+        s = result.stats
+        self.planner.observe(plan.kind, s.preemptions, s.batch_tokens / max(1, len(result.samples)))
+        for key, n in zip(_COUNTERS, (1, s.launched_prompts, s.kept_prompts, s.filtered_prompts, s.deferred_prompts)):
+            self.counters[key] += n
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None:
+            raise RuntimeError(f"cannot save while round {self._pending.index} is planned and not run")
+        return {"mode": self.cfg.mode, "queue": self.queue.state_dict(), "planner": self.planner.state_dict(),
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["mode"] != self.cfg.mode:
+            raise ValueError(f"checkpoint was written in mode {state['mode']!r}, this run is {self.cfg.mode!r}")
+        self.queue.load_state_dict(state["queue"])
+        self.planner.load_state_dict(state["planner"])
+        self.counters = {k: int(state["counters"][k]) for k in _COUNTERS}

@@ -1,0 +1,85 @@
+"""The parallelism planner's published rules (DESIGN §2)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollpacker.configlib import ConfigError
+from rollpacker.scheduler import ParallelismPlanner, RoundKind, TPProfile
+from rollpacker.scheduler.config import PlannerConfig
+
+SHORT, LONG = RoundKind.SHORT, RoundKind.LONG
+
+
+def planner(ranks=16, **cfg) -> ParallelismPlanner:
+    p = ParallelismPlanner(PlannerConfig(**{"short_tp": 1, "long_tp": 2, **cfg}), ranks)
+    p.tp_for(SHORT, requests=1280, max_response_tokens=16384)
+    p.tp_for(LONG, requests=1024, max_response_tokens=16384)
+    return p
+
+
+def run(p: ParallelismPlanner, kind: RoundKind, preemptions: list[int]) -> list[int]:
+    out = []
+    for n in preemptions:
+        p.observe(kind, n, 500.0)
+        out.append(p.tp_for(kind, requests=1, max_response_tokens=1))
+    return out
+
+
+def test_initial_tp_per_kind_from_config():
+    p = planner()
+    assert (p.tp_for(SHORT, requests=1, max_response_tokens=1), p.tp_for(LONG, requests=1, max_response_tokens=1)) == (1, 2)
+
+
+def test_rising_preemptions_double_tp_only_above_the_ratio():
+    p = planner()
+    # 100 -> 105 is exactly 1.05x: no change; 105 -> 111 is > 1.05x: double; 0 -> 3 is a rise
+    assert run(p, SHORT, [100, 105, 111, 50, 0, 3]) == [1, 1, 2, 2, 2, 4]
+
+
+def test_four_zero_rounds_halve_and_a_nonzero_round_resets_the_count():
+    p = planner(long_tp=8)
+    assert run(p, LONG, [0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0]) == [8, 8, 8, 8, 8, 8, 8, 4, 4, 4, 4, 2]
+    assert run(p, LONG, [0] * 8) == [2, 2, 2, 1, 1, 1, 1, 1]  # never below 1
+
+
+def test_tp_stays_within_the_node_and_divides_the_ranks():
+    assert run(planner(ranks=16, max_tp=4), SHORT, [1, 2, 4, 8, 16]) == [1, 2, 4, 4, 4]
+    assert run(planner(ranks=12, max_tp=8), SHORT, [1, 2, 4, 8, 16]) == [1, 2, 4, 4, 4]  # 8 does not divide 12
+    with pytest.raises(ConfigError, match="long_tp=8 .* allowed: \\[1, 2, 4\\]"):
+        ParallelismPlanner(PlannerConfig(long_tp=8), 12)
+
+
+def test_round_kinds_adapt_independently():
+    p = planner()
+    run(p, SHORT, [10, 20])
+    assert p.tp_for(SHORT, requests=1, max_response_tokens=1) == 2
+    assert run(p, LONG, [10]) == [2]  # the short rounds' history does not count for long rounds
+
+
+def test_disabled_planner_keeps_the_fixed_tp():
+    p = ParallelismPlanner(PlannerConfig(enabled=False, short_tp=1, long_tp=2), 8, fixed_tp=4)
+    assert p.tp_for(SHORT, requests=1, max_response_tokens=1) == 4
+    p.observe(SHORT, 100, 1.0)
+    p.observe(SHORT, 1000, 1.0)
+    assert p.tp_for(SHORT, requests=1, max_response_tokens=1) == 4
+
+
+def test_profile_picks_the_fastest_tp_that_fits_the_kv():
+    profile = [TPProfile(1, decode_tokens_per_s=3000, kv_capacity_tokens=100_000),
+               TPProfile(2, decode_tokens_per_s=5000, kv_capacity_tokens=400_000)]
+    p = ParallelismPlanner(PlannerConfig(), 8, profile=profile)
+    # 8 engines at TP1 -> 1.5 x 3000 x 8 = 36k tok/s; 4 at TP2 -> 20k tok/s: TP1 wins when KV fits
+    assert p.tp_for(LONG, requests=800, max_response_tokens=4 * 500) == 1
+    # 1600 requests x 2000 tokens: 400k per TP1 engine, 4x its KV (recompute) -> TP2 wins
+    assert p.tp_for(SHORT, requests=1600, max_response_tokens=4 * 2000) == 2
+
+
+def test_state_round_trips_through_json():
+    p = planner()
+    run(p, SHORT, [5, 50, 0])
+    q = planner()
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.state_dict() == p.state_dict()
+    assert run(q, SHORT, [0, 0, 0, 0]) == run(p, SHORT, [0, 0, 0, 0])

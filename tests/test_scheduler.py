@@ -1,0 +1,260 @@
+"""The rollout scheduler over modeled engines on a virtual clock.
+
+Every round here is the real ``Scheduler`` driving real ``SimEngine``s
+(continuous batching, KV budget with preemption) and a reward sink with
+latency, so completion, scoring and abort interleave as they would live.
+"""
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from rollpacker.configlib import ConfigError
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import FINISH_ABORT, GenerationRequest, SamplingParams
+from rollpacker.sample import Prompt
+from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
+from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
+from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.sim import H800, LengthOracle, ModelSpec, PerfModel, SimEngine, SimRewardSink, longtail_trace
+from rollpacker.sim.traces import PromptLengths
+
+TINY = ModelSpec("tiny", 5e8, 8, 2)
+
+
+class RecordingEngine(SimEngine):
+    """A modeled engine that remembers when requests were aborted or returned."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.aborted: dict[str, float] = {}
+        self.returned: dict[str, float] = {}
+
+    def abort(self, request_ids) -> None:
+        ids = [rid for rid in request_ids if rid in set(self.active_request_ids())]
+        self.aborted.update(dict.fromkeys(ids, self.clock.now()))
+        super().abort(ids)
+
+    def poll(self, timeout=0.0):
+        done = super().poll(timeout)
+        self.returned.update((c.request_id, self.clock.now()) for c in done)
+        return done
+
+
+class RecordingSource(ListPromptSource):
+    def __init__(self, prompts, ledger: list) -> None:
+        super().__init__(prompts)
+        self.ledger = ledger
+
+    def take(self, n):
+        out = super().take(n)
+        self.ledger.extend((p.uid, p.epoch) for p in out)
+        return out
+
+
+class Harness:
+    def __init__(self, mode="tail_batching", *, p0=8, r0=4, eta=1.25, trace=None, num_prompts=40, engines=2,
+                 limit=4096, median=None, seed=0, async_reward=True, reward_fn=None, latency=None,
+                 kv_capacity=None, planner=False):
+        self.clock = VirtualClock()
+        self.trace = trace or longtail_trace(num_prompts, samples=8, median=median or limit / 28, limit=limit,
+                                                    seed=seed)
+        self.oracle = LengthOracle(self.trace, seed=seed)
+        self.taken: list[tuple[int, int]] = []
+        self.prompts = [Prompt(uid=i, input_ids=[1] * 16, data_source="t") for i in range(len(self.trace))]
+        self.engines_n, self.limit, self.kv_capacity = engines, limit, kv_capacity
+        self.cfg = SchedulerConfig(mode=mode, p0=p0, r0=r0, eta_p=eta, eta_r=eta,
+                                   planner=PlannerConfig(enabled=planner, short_tp=1, long_tp=1, max_tp=engines))
+        self.async_reward = async_reward
+        self.scheduler = self.new_scheduler()
+        self.sink = SimRewardSink(self.clock, reward_fn or (lambda s: 1.0), latency or (lambda s: 0.0))
+        self.last_engines: list[RecordingEngine] = []
+
+    def new_scheduler(self) -> Scheduler:
+        self.source = RecordingSource(self.prompts, self.taken)
+        return Scheduler(self.cfg, RolloutConfig(max_response_length=self.limit), self.source,
+                         rollout_ranks=self.engines_n, async_reward=self.async_reward)
+
+    def round(self, on_group_done=None):
+        plan = self.scheduler.plan_round()
+        perf = PerfModel(TINY, H800, plan.tp)
+        self.last_engines = [RecordingEngine(perf, self.clock, self.oracle, engine_id=i,
+                                             kv_capacity_tokens=self.kv_capacity and self.kv_capacity * plan.tp)
+                             for i in range(self.engines_n // plan.tp)]
+        result = self.scheduler.run_round(plan, self.last_engines, self.sink, clock=self.clock,
+                                          on_group_done=on_group_done)
+        return plan, result
+
+    def aborted(self) -> dict[str, float]:
+        return {k: v for e in self.last_engines for k, v in e.aborted.items()}
+
+    def returned(self) -> dict[str, float]:
+        return {k: v for e in self.last_engines for k, v in e.returned.items()}
+
+
+def assert_batch(result, p0, r0, aborted):
+    assert len(result.groups) == p0
+    for group in result.groups:
+        assert len(group) == r0
+        assert len({(s.prompt.uid, s.prompt.epoch) for s in group}) == 1
+        assert len({s.response_index for s in group}) == r0
+        for s in group:
+            assert s.finish_reason in ("stop", "length") and s.finish_reason != FINISH_ABORT
+            assert s.request_id not in aborted
+            assert s.reward is not None and s.scored_at >= s.finished_at >= s.submitted_at
+    assert len({(g[0].prompt.uid, g[0].prompt.epoch) for g in result.groups}) == p0
+
+
+def test_tail_batching_batches_queue_fifo_and_cycle():
+    h = Harness(p0=8, r0=4, num_prompts=30, latency=lambda s: 0.01 * (s.response_index + 1))
+    kinds = []
+    for _ in range(10):
+        before = h.scheduler.queue.peek()
+        plan, result = h.round()
+        kinds.append(plan.kind)
+        assert_batch(result, 8, 4, h.aborted())
+        launched = plan.prompts
+        if plan.kind is RoundKind.LONG:
+            assert plan.prompts == tuple(before[:8]) and plan.n_responses == 4
+            assert result.deferred == [] and result.stats.launched_responses == 32
+            assert not h.aborted()  # no speculation: every response runs to its end
+        else:
+            assert (len(plan.prompts), plan.n_responses) == (10, 5)
+            kept = {(g[0].prompt.uid, g[0].prompt.epoch) for g in result.groups}
+            assert result.deferred == [p for p in launched if (p.uid, p.epoch) not in kept]
+        assert h.scheduler.queue.peek() == (before[8:] if plan.kind is RoundKind.LONG else before + result.deferred)
+    short, long = RoundKind.SHORT, RoundKind.LONG
+    assert kinds == [short, short, short, short, long] * 2
+
+
+def test_extras_are_aborted_when_a_prompt_completes():
+    h = Harness(p0=4, r0=2, eta=2.0, num_prompts=12, latency=lambda s: 0.02)
+    plan, result = h.round()
+    aborted, returned = h.aborted(), h.returned()
+    for group in result.groups:
+        done_at = max(s.scored_at for s in group)
+        p = group[0].prompt
+        extras = {f"p{p.uid}e{p.epoch}r{r}" for r in range(plan.n_responses)} - {s.request_id for s in group}
+        for rid in extras:  # aborted the moment the group completed, unless it had already finished
+            assert aborted.get(rid) == done_at or returned[rid] <= done_at
+    close = result.stats.rollout_seconds
+    deferred = {(p.uid, p.epoch) for p in result.deferred}
+    assert len(deferred) == 4
+    for rid, t in aborted.items():
+        assert t <= close
+    assert all(not e.active_request_ids() for e in h.last_engines)  # the close aborted everything else
+    assert result.stats.wasted_tokens == result.stats.generated_tokens - result.stats.batch_tokens > 0
+
+
+def test_baseline_waits_for_every_response():
+    trace = [PromptLengths(str(i), (100, 200, 300, 3000 if i == 3 else 400)) for i in range(8)]
+    h = Harness("baseline", p0=4, r0=4, trace=trace, limit=4096)
+    plan, result = h.round()
+    assert plan.kind is RoundKind.BASELINE and plan.n_responses == 4
+    assert_batch(result, 4, 4, h.aborted())
+    assert not h.aborted() and result.deferred == [] and result.stats.wasted_tokens == 0
+    assert max(s.num_response_tokens for s in result.samples) == 3000
+    assert result.stats.rollout_seconds == pytest.approx(max(s.finished_at for s in result.samples))
+    assert result.stats.bubble_fraction > 0.5  # one straggler holds the round open
+
+
+def test_ledger_over_epochs_with_save_restore():
+    """Every prompt taken from the source is trained exactly once, filtered, or still queued."""
+    rng = random.Random(7)
+    accuracy = {i: rng.choice([0.0, 1.0, 0.3, 0.5, 0.7]) for i in range(24)}
+
+    def reward_fn(sample):
+        return float(rng.random() < accuracy[sample.prompt.uid])
+
+    for mode in ("tail_batching", "dynamic_sampling"):
+        h = Harness(mode, p0=6, r0=3, num_prompts=24, seed=3, reward_fn=reward_fn, kv_capacity=2100, limit=2048, median=300,
+                    latency=lambda s: rng.expovariate(20.0), planner=True)
+        trained, filtered, tps = [], [], []
+        saved = None
+        for rnd in range(24):
+            if rnd == 10:
+                saved = json.loads(json.dumps({"sched": h.scheduler.state_dict(), "src": h.source.state_dict()}))
+                snapshot = (list(h.taken), list(trained), list(filtered))
+            if rnd == 13:  # crash: rounds 10-12 are lost, resume from the checkpoint
+                h.taken[:], trained, filtered = snapshot[0], list(snapshot[1]), list(snapshot[2])
+                h.scheduler = h.new_scheduler()
+                h.scheduler.load_state_dict(saved["sched"])
+                h.source.load_state_dict(saved["src"])
+                assert saved["sched"]["queue"]["prompts"]  # mid-cycle: the queue is not empty
+                assert h.scheduler.planner.state_dict() == saved["sched"]["planner"]
+            plan, result = h.round()
+            tps.append(plan.tp)
+            assert_batch(result, 6, 3, h.aborted())
+            trained += [(g[0].prompt.uid, g[0].prompt.epoch) for g in result.groups]
+            filtered += [(p.uid, p.epoch) for p in result.filtered]
+            if mode == "dynamic_sampling":
+                assert all(len({s.reward for s in g}) > 1 for g in result.groups)
+        queued = [(p.uid, p.epoch) for p in h.scheduler.queue.peek()]
+        assert max(epoch for _, epoch in h.taken) >= 3  # several epochs
+        assert Counter(trained + filtered + queued) == Counter(h.taken)
+        assert max(Counter(h.taken).values()) == 1
+        assert h.scheduler.counters["filtered"] == len(filtered)
+        assert h.scheduler.counters["kept"] == len(trained)
+        assert len(set(tps)) > 1, tps  # KV pressure made the planner move TP
+        if mode == "dynamic_sampling":
+            assert filtered  # the always-right and always-wrong prompts
+
+
+def test_groups_stream_to_callback_in_completion_order():
+    seen = []
+    h = Harness(p0=4, r0=2, latency=lambda s: 0.05)
+    _, result = h.round(on_group_done=lambda g: seen.append((h.clock.now(), g)))
+    assert [g for _, g in seen] == result.groups
+    times = [t for t, _ in seen]
+    assert times == sorted(times) and times[0] < result.stats.rollout_seconds  # streamed during the round
+
+
+def test_reward_after_rollout_mode():
+    seen = []
+    h = Harness(p0=4, r0=2, async_reward=False, latency=lambda s: 0.5)
+    _, result = h.round(on_group_done=seen.append)
+    assert_batch(result, 4, 2, h.aborted())
+    assert result.stats.reward_seconds == pytest.approx(0.5)
+    assert all(s.scored_at == pytest.approx(result.stats.round_seconds) for s in result.samples)
+    assert seen == result.groups
+    with pytest.raises(ConfigError, match="async"):
+        Harness("dynamic_sampling", async_reward=False)
+
+
+def test_equal_lengths_give_no_speedup():
+    trace = [PromptLengths(str(i), (800,) * 5) for i in range(40)]
+    seconds = {}
+    for mode in ("baseline", "tail_batching"):
+        h = Harness(mode, p0=8, r0=4, trace=trace, limit=1024)
+        seconds[mode] = sum(h.round()[1].stats.round_seconds for _ in range(5))
+    assert seconds["baseline"] / seconds["tail_batching"] == pytest.approx(1.0, abs=0.1)
+
+
+def test_dispatch_balances_load_and_spreads_a_prompt():
+    clock = VirtualClock()
+    perf = PerfModel(TINY, H800, 1)
+    engines = [SimEngine(perf, clock, lambda rid: 10, engine_id=i) for i in range(3)]
+    driver = EngineDriver(engines, clock)
+    params = SamplingParams(max_new_tokens=64)
+    driver.submit([GenerationRequest(f"p0e0r{r}", [1] * (8 + r), params) for r in range(7)])
+    loads = sorted(len(e.active_request_ids()) for e in engines)
+    assert loads == [2, 2, 3]
+    while driver.outstanding:
+        done = driver.poll()
+        assert all(c.finish_reason == "stop" and len(c.output_ids) == 10 for c in done)
+    assert driver.bubble_fraction() < 0.01  # balanced engines finish together
+
+
+def test_two_phase_api_guards():
+    h = Harness(p0=4, r0=2, engines=2)
+    plan = h.scheduler.plan_round()
+    with pytest.raises(RuntimeError, match="planned"):
+        h.scheduler.state_dict()
+    with pytest.raises(RuntimeError, match="planned and not run"):
+        h.scheduler.plan_round()
+    perf = PerfModel(TINY, H800, 1)
+    with pytest.raises(ValueError, match="2 engines; got 1"):
+        h.scheduler.run_round(plan, [SimEngine(perf, h.clock, h.oracle)], h.sink, clock=h.clock)
