@@ -40,6 +40,26 @@ def packed_seq_params(mb: MicroBatch) -> PackedSeqParams:
         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
 
 
+def _host_param_state(optimizer: Any) -> dict:
+    """``get_parameter_state_dp_reshardable`` returns live device tensors; copy them to host.
+
+    Its loader skips entries flagged ``padding``, a flag only Megatron's
+    dist-checkpoint path sets; every entry here is a real parameter.
+    """
+    state = optimizer.get_parameter_state_dp_reshardable()
+    for key, per_dtype in state.items():
+        if not isinstance(key, int):  # per_bucket_numel bookkeeping
+            continue
+        for buckets in per_dtype.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    for name, value in entry.items():
+                        if isinstance(value, torch.Tensor):
+                            entry[name] = value.detach().to("cpu", copy=True)
+                    entry["padding"] = False
+    return state
+
+
 class GpuBackend(Backend):
     micro_batch_layout = "thd"
 
@@ -116,7 +136,9 @@ class GpuBackend(Backend):
         return StepResult(applied=bool(applied), grad_norm=float(norm))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        return {"chained": [{"common": o.state_dict(), "param_state": o.get_parameter_state_dp_reshardable()}
+        """Per-rank state (same layout on resume): the common part and this rank's DP shard of
+        main params and Adam moments, copied to host."""
+        return {"chained": [{"common": o.state_dict(), "param_state": _host_param_state(o)}
                             for o in self.optimizer.chained_optimizers]}
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
