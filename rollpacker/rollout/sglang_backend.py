@@ -1,0 +1,363 @@
+"""SGLang rollout backend: the same ``RolloutEngine`` interface over ``sglang.Engine`` (pinned 0.5.23).
+
+The first rank of each rollout TP group owns one ``sglang.Engine`` with
+``tp_size`` = the group size and ``base_gpu_id`` = that rank's local GPU; SGLang
+starts its own TP worker processes on the group's GPUs, so the other ranks of
+the group have nothing to drive. Ports are derived from the global rank so that
+engines on one node never collide.
+
+Requests go through ``Engine.async_generate`` on the engine's own event loop,
+run by a background thread while requests are in flight; each result lands in
+a thread-safe queue that ``poll`` drains. Control calls (memory release/resume,
+weight update) are SGLang's synchronous methods, which drive that same loop
+with ``run_until_complete``, so the background thread is paused around them.
+
+Semantics matched to the reference engine:
+- log-probs are of the temperature-1 model distribution
+  (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, inherited by SGLang's subprocesses);
+- a request with no stop ids runs to ``max_new_tokens`` (``ignore_eos``);
+  SGLang otherwise also stops at the model's EOS, which callers pass as a stop id;
+- output tokens and log-probs both come from ``output_token_logprobs``, so they
+  are aligned by construction; preemptions are SGLang's ``num_retractions``.
+
+Every SGLang call goes through ``_SGLangCalls``, which refuses any method or
+keyword missing from ``SGLANG_API``; ``tests/test_sglang_backend.py`` checks that
+table against the source of the pinned wheel.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import (FINISH_ABORT, MEMORY_TAGS, Completion, EngineStats, GenerationRequest,
+                                       RequestError, RolloutEngine, SamplingParams)
+
+SGLANG_VERSION = "0.5.23"
+PORT_STRIDE = 16  # ports [base + stride * rank, base + stride * (rank + 1)) belong to one rank's engine
+
+# The whole SGLang surface this backend touches: "Class.method" -> keywords it passes.
+# ``Engine.__init__`` keywords are ServerArgs fields.
+SGLANG_API: dict[str, tuple[str, ...]] = {
+    "Engine.__init__": ("model_path", "tp_size", "base_gpu_id", "port", "nccl_port", "enable_memory_saver",
+                        "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed"),
+    "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
+    "Engine.release_memory_occupation": ("tags",),
+    "Engine.resume_memory_occupation": ("tags",),
+    "Engine.update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
+    "Engine.shutdown": (),
+    "TokenizerManager.abort_request": ("rid", "abort_all"),
+}
+SGLANG_ENGINE_ATTRIBUTES = ("loop", "tokenizer_manager")  # set by Engine.__init__
+SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
+                        "ignore_eos")
+SGLANG_OUTPUT_KEYS = ("meta_info", "finish_reason", "output_token_logprobs", "num_retractions")
+SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, global_rank: int, gpu_id: int,
+                engine_id: int) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` for the engine led by ``global_rank``."""
+    port = cfg.sglang_base_port + PORT_STRIDE * global_rank
+    return dict(model_path=str(model_dir), tp_size=tp_size, base_gpu_id=gpu_id, port=port, nccl_port=port + 1,
+                enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction_static,
+                max_running_requests=cfg.max_running_requests, skip_tokenizer_init=True,
+                random_seed=cfg.seed + engine_id)
+
+
+def sampling_params(p: SamplingParams) -> dict[str, Any]:
+    out = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
+               stop_token_ids=list(p.stop_token_ids), ignore_eos=not p.stop_token_ids)
+    if p.seed is not None:
+        out["sampling_seed"] = p.seed
+    return out
+
+
+def completion(request_id: str, output: dict, submitted_at: float, engine_id: int) -> Completion:
+    """Translate one ``async_generate`` result (``return_logprob=True``) into a ``Completion``."""
+    meta = output["meta_info"]
+    triples = meta["output_token_logprobs"]  # (logprob, token id, text or None) per output token
+    return Completion(request_id=request_id, output_ids=[int(t) for _, t, _ in triples],
+                      logprobs=[float(lp) for lp, _, _ in triples], finish_reason=meta["finish_reason"]["type"],
+                      submitted_at=submitted_at, finished_at=time.monotonic(), engine_id=engine_id)
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   limit_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into buckets of at most ``limit_bytes`` (a larger tensor travels alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class _SGLangCalls:
+    """The only door to the SGLang engine: refuses calls outside ``SGLANG_API``."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    @staticmethod
+    def check(qualname: str, kwargs: dict[str, Any]) -> None:
+        allowed = SGLANG_API.get(qualname)
+        if allowed is None or set(kwargs) - set(allowed):
+            raise AssertionError(f"{qualname}({', '.join(kwargs)}) is not in SGLANG_API; add it there so the "
+                                 f"contract test checks it against sglang=={SGLANG_VERSION}")
+
+    def __call__(self, qualname: str, **kwargs: Any) -> Any:
+        self.check(qualname, kwargs)
+        owner, method = qualname.split(".")
+        target = self.engine.tokenizer_manager if owner == "TokenizerManager" else self.engine
+        return getattr(target, method)(**kwargs)
+
+
+class _LoopThread:
+    """Runs an asyncio loop in a background thread, and can pause it for synchronous callers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sglang-loop", daemon=True)
+            self._thread.start()
+
+    def pause(self) -> None:
+        if self._thread is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self._thread = None
+
+    def run(self, coro) -> concurrent.futures.Future:
+        self.start()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the loop's thread (SGLang's objects are not thread-safe) and wait for it."""
+        async def on_loop() -> Any:
+            return fn()
+        return self.run(on_loop()).result()
+
+
+@dataclass
+class _Failure:
+    request_id: str
+    error: BaseException
+
+
+class SGLangEngine(RolloutEngine):
+    """``RolloutEngine`` over ``sglang.Engine``; constructed on every rank of ``group``.
+
+    ``engine_cls`` replaces ``sglang.Engine`` (tests inject a recording double). ``device``
+    ``"cuda:N"`` pins the leader's GPU; otherwise it is ``LOCAL_RANK``.
+    """
+
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, group: dist.ProcessGroup | None = None,
+                 engine_id: int = 0, device: str = "cuda", engine_cls: Callable | None = None):
+        cfg.validate()
+        self.cfg, self.engine_id = cfg, engine_id
+        ranks = [0] if group is None else dist.get_process_group_ranks(group)
+        if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
+            raise ValueError(f"engine {engine_id}: an SGLang TP group must be consecutive ranks on one node "
+                             f"(its GPUs are base_gpu_id..base_gpu_id+tp-1), got ranks {ranks}")
+        self.is_leader = group is None or dist.get_rank(group) == 0
+        self._stats = EngineStats()
+        self._active: dict[str, float] = {}  # request id -> submitted_at
+        self._aborted: set[str] = set()
+        self._results: queue.Queue[Completion | _Failure] = queue.Queue()
+        self._busy_since: float | None = None
+        if not self.is_leader:
+            return
+        if engine_cls is None:
+            import sglang  # only here: the backend is selected and this rank owns the engine
+            engine_cls = sglang.Engine
+        os.environ.update(SGLANG_ENV)
+        dev = torch.device(device)
+        gpu = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", ranks[0]))
+        kwargs = server_args(model_dir, cfg, tp_size=len(ranks), global_rank=ranks[0], gpu_id=gpu,
+                             engine_id=engine_id)
+        _SGLangCalls.check("Engine.__init__", kwargs)
+        self._engine = engine_cls(**kwargs)
+        self._call = _SGLangCalls(self._engine)
+        self._loop = _LoopThread(self._engine.loop)
+
+    # ---- interface -----------------------------------------------------------------------------
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self._require_leader()
+        errors, refused = [], []
+        for r in requests:
+            problem = self._problem(r)
+            if problem:
+                errors.append(f"request {r.request_id!r}: {problem}")
+                refused.append(r.request_id)
+                continue
+            self._active[r.request_id] = time.monotonic()
+            self._loop.run(self._generate(r, self._active[r.request_id]))
+        if self._active and self._busy_since is None:
+            self._busy_since = time.monotonic()
+        if errors:
+            raise RequestError("; ".join(errors), refused)
+
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
+        """Wait up to ``timeout`` (None: until one finishes) for a completion, then drain the rest."""
+        self._require_leader()
+        done: list[Completion] = []
+        failures: list[_Failure] = []
+        block = bool(self._active)
+        while True:
+            try:
+                item = self._results.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                break
+            block = False
+            if item.request_id in self._aborted:
+                self._aborted.discard(item.request_id)
+            elif isinstance(item, _Failure):
+                failures.append(item)
+                self._active.pop(item.request_id, None)
+            else:
+                done.append(item)
+                self._active.pop(item.request_id, None)
+                self._stats.tokens_generated += len(item.output_ids)
+        self._update_busy()
+        if failures:  # the completions are not lost: they come back with the next poll
+            for c in done:
+                self._results.put(c)
+            raise RequestError("; ".join(f"request {f.request_id!r}: sglang failed it: {f.error!r}"
+                                         for f in failures), [f.request_id for f in failures])
+        return done
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._require_leader()
+        for rid in [r for r in request_ids if r in self._active]:
+            del self._active[rid]
+            self._aborted.add(rid)
+            self._loop.call(lambda rid=rid: self._call("TokenizerManager.abort_request", rid=rid, abort_all=False))
+        self._update_busy()
+
+    def abort_all(self) -> None:
+        self._require_leader()
+        if self._active:
+            self._aborted.update(self._active)
+            self._active.clear()
+            self._loop.call(lambda: self._call("TokenizerManager.abort_request", rid="", abort_all=True))
+        self._update_busy()
+
+    def active_request_ids(self) -> list[str]:
+        return list(self._active)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push full HF tensors in buckets of at most ``weight_bucket_mb``; the last one flushes the cache."""
+        self._require_leader()
+        limit = self.cfg.weight_bucket_mb << 20
+        with self._paused():
+            pending = None
+            for bucket in weight_buckets(named_tensors, limit):
+                if pending is not None:
+                    self._call("Engine.update_weights_from_tensor", named_tensors=pending, load_format=None,
+                               flush_cache=False)
+                pending = bucket
+            if pending is not None:
+                self._call("Engine.update_weights_from_tensor", named_tensors=pending, load_format=None,
+                           flush_cache=True)
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        self._memory("Engine.release_memory_occupation", tags)
+
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        self._memory("Engine.resume_memory_occupation", tags)
+
+    def stats(self) -> EngineStats:
+        """Running = in flight here (SGLang's own queue is not split out); preemptions = retractions."""
+        busy = self._stats.busy_seconds + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
+        return EngineStats(running=len(self._active), waiting=0, preemptions=self._stats.preemptions,
+                           tokens_generated=self._stats.tokens_generated, busy_seconds=busy,
+                           extra={"backend": "sglang"})
+
+    def shutdown(self) -> None:
+        if self.is_leader:
+            self.abort_all()
+            with self._paused():
+                self._call("Engine.shutdown")
+
+    def serve_follower(self) -> str:
+        """Nothing to mirror: SGLang drives the group's GPUs from the leader's engine."""
+        return "release"
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _require_leader(self) -> None:
+        if not self.is_leader:
+            raise RuntimeError("engine methods are called on the TP group's leader")
+
+    def _problem(self, r: GenerationRequest) -> str | None:
+        try:
+            r.params.validate()
+        except RequestError as exc:
+            return str(exc)
+        if not r.input_ids:
+            return "empty prompt"
+        if r.request_id in self._active:
+            return "a request with this id is already in flight"
+        return None
+
+    async def _generate(self, r: GenerationRequest, submitted_at: float) -> None:
+        try:
+            out = await self._call("Engine.async_generate", input_ids=list(r.input_ids),
+                                   sampling_params=sampling_params(r.params), return_logprob=True,
+                                   rid=r.request_id)
+            c = completion(r.request_id, out, submitted_at, self.engine_id)
+            self._stats.preemptions += int(out["meta_info"].get("num_retractions", 0))
+            self._results.put(_Failure(r.request_id, RuntimeError("aborted by SGLang"))
+                              if c.finish_reason == FINISH_ABORT else c)
+        except Exception as exc:  # an aborted request may end in an exception; poll sorts it out
+            self._results.put(_Failure(r.request_id, exc))
+
+    def _update_busy(self) -> None:
+        now = time.monotonic()
+        if not self._active and self._busy_since is not None:
+            self._stats.busy_seconds += now - self._busy_since
+            self._busy_since = None
+
+    def _memory(self, qualname: str, tags: Sequence[str]) -> None:
+        self._require_leader()
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"unknown memory tags {sorted(unknown)}; valid: {MEMORY_TAGS}")
+        if self._active:
+            raise RuntimeError(f"engine {self.engine_id}: {qualname.split('.')[1]} needs an idle engine "
+                               f"({len(self._active)} requests in flight)")
+        with self._paused():
+            self._call(qualname, tags=list(tags))
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """SGLang's synchronous methods run its loop themselves: stop the background thread meanwhile."""
+        self._loop.pause()
+        try:
+            yield
+        finally:
+            if self._active:
+                self._loop.start()

@@ -1,0 +1,289 @@
+"""SGLang backend: its logic against a recording double, its API use against the pinned wheel's source."""
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollpacker.rollout import make_engine
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import GenerationRequest, RequestError, SamplingParams
+from rollpacker.rollout.sglang_backend import (PORT_STRIDE, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
+                                               SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
+                                               sampling_params, server_args, weight_buckets)
+
+WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
+HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
+
+
+class RecordingTokenizerManager:
+    def __init__(self, engine: "RecordingEngine"):
+        self.engine = engine
+        self.waiting: dict[str, asyncio.Event] = {}
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        self.engine.calls.append(("abort_request", dict(rid=rid, abort_all=abort_all)))
+        for key, event in self.waiting.items():
+            if abort_all or key == rid:
+                event.set()
+
+
+class RecordingEngine:
+    """Stands in for ``sglang.Engine``: records calls, answers like SGLang with return_logprob=True.
+
+    Like the real one, its synchronous methods drive ``self.loop`` with ``run_until_complete``,
+    which fails if the backend left that loop running in its background thread.
+    """
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, dict]] = []
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer_manager = RecordingTokenizerManager(self)
+
+    async def async_generate(self, *, input_ids, sampling_params, return_logprob, rid):
+        self.calls.append(("async_generate", dict(input_ids=input_ids, sampling_params=sampling_params,
+                                                  return_logprob=return_logprob, rid=rid)))
+        n = sampling_params["max_new_tokens"]
+        if n >= HOLD:
+            event = self.tokenizer_manager.waiting.setdefault(rid, asyncio.Event())
+            await event.wait()
+            return {"meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
+        await asyncio.sleep(0.001 * n)
+        tokens = [(sum(input_ids) + i) % 97 for i in range(n)]
+        stop = next((i for i, t in enumerate(tokens) if t in sampling_params["stop_token_ids"]), None)
+        tokens = tokens if stop is None else tokens[:stop + 1]
+        return {"output_ids": tokens, "meta_info": {
+            "finish_reason": {"type": "length" if stop is None else "stop"},
+            "output_token_logprobs": [(-0.1 * (t + 1), t, None) for t in tokens],
+            "num_retractions": 2 if rid.startswith("retracted") else 0}}
+
+    def _sync(self, name: str, **kwargs):
+        self.calls.append((name, kwargs))
+        return self.loop.run_until_complete(asyncio.sleep(0))
+
+    def release_memory_occupation(self, tags=None):
+        return self._sync("release_memory_occupation", tags=tags)
+
+    def resume_memory_occupation(self, tags=None):
+        return self._sync("resume_memory_occupation", tags=tags)
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        return self._sync("update_weights_from_tensor", names=[n for n, _ in named_tensors],
+                          load_format=load_format, flush_cache=flush_cache)
+
+    def shutdown(self):
+        self._sync("shutdown")
+
+
+def _engine(**cfg):
+    return make_engine(RolloutConfig(backend="sglang", **cfg), "/models/qwen", engine_id=3, device="cuda:2",
+                       sglang_engine_cls=RecordingEngine)
+
+
+def _drain(engine, timeout=5.0) -> dict:
+    out = {}
+    while engine.active_request_ids():
+        got = engine.poll(timeout)
+        assert got or engine.active_request_ids(), "poll timed out"
+        out.update((c.request_id, c) for c in got)
+    return out
+
+
+def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
+    cfg = RolloutConfig(backend="sglang", sglang_base_port=31000, mem_fraction_static=0.6, seed=4)
+    args = server_args("/m", cfg, tp_size=2, global_rank=5, gpu_id=1, engine_id=2)
+    assert args["port"] == 31000 + 5 * PORT_STRIDE and args["nccl_port"] == args["port"] + 1
+    assert (args["tp_size"], args["base_gpu_id"], args["random_seed"]) == (2, 1, 6)
+    assert args["enable_memory_saver"] is True and args["mem_fraction_static"] == 0.6
+    engine = _engine()
+    assert engine._engine.kwargs["base_gpu_id"] == 2  # from device="cuda:2"
+    assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    by_local_rank = make_engine(RolloutConfig(backend="sglang"), "/m", device="cuda",
+                                sglang_engine_cls=RecordingEngine)
+    assert by_local_rank._engine.kwargs["base_gpu_id"] == 3
+
+
+def test_requests_translate_both_ways_and_complete():
+    engine = _engine()
+    reqs = [GenerationRequest("a", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=5)),
+            GenerationRequest("b", [4, 5], SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11,
+                                                          max_new_tokens=30, stop_token_ids=(14,))),
+            GenerationRequest("retracted", [7], SamplingParams(max_new_tokens=3))]
+    engine.submit(reqs)
+    done = _drain(engine)
+    assert done["a"].output_ids == [6, 7, 8, 9, 10] and done["a"].finish_reason == "length"
+    assert done["a"].logprobs == pytest.approx([-0.7, -0.8, -0.9, -1.0, -1.1])
+    assert done["b"].output_ids == [9, 10, 11, 12, 13, 14] and done["b"].finish_reason == "stop"
+    assert done["a"].engine_id == 3
+    sent = {c[1]["rid"]: c[1] for c in engine._engine.calls if c[0] == "async_generate"}
+    assert sent["a"]["return_logprob"] is True and sent["a"]["input_ids"] == [1, 2, 3]
+    assert sent["a"]["sampling_params"] == dict(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=5,
+                                                stop_token_ids=[], ignore_eos=True)
+    assert sent["b"]["sampling_params"]["sampling_seed"] == 11 and not sent["b"]["sampling_params"]["ignore_eos"]
+    stats = engine.stats()
+    assert stats.preemptions == 2 and stats.tokens_generated == 14 and stats.running == 0
+    for p in (reqs[0].params, reqs[1].params):
+        assert set(sampling_params(p)) <= set(SGLANG_SAMPLING_KEYS)
+
+
+def test_abort_reaches_the_tokenizer_manager_and_the_request_never_completes():
+    engine = _engine()
+    engine.submit([GenerationRequest("held", [1], SamplingParams(max_new_tokens=HOLD)),
+                   GenerationRequest("held2", [1], SamplingParams(max_new_tokens=HOLD)),
+                   GenerationRequest("short", [2], SamplingParams(max_new_tokens=2))])
+    assert list(engine.poll(5.0))[0].request_id == "short"
+    engine.abort(["held"])
+    assert engine.active_request_ids() == ["held2"]
+    engine.abort_all()
+    assert engine.active_request_ids() == [] and engine.poll(0.2) == []
+    aborts = [c[1] for c in engine._engine.calls if c[0] == "abort_request"]
+    assert aborts == [dict(rid="held", abort_all=False), dict(rid="", abort_all=True)]
+
+
+def test_weights_are_pushed_in_bounded_buckets_and_the_last_flushes():
+    mb = torch.zeros(1 << 18)  # 1 MiB of fp32
+    named = [(f"w{i}", mb) for i in range(7)] + [("big", torch.zeros(5 << 18)), ("tail", mb)]
+    assert [len(b) for b in weight_buckets(named, 3 << 20)] == [3, 3, 1, 1, 1]
+    engine = _engine(weight_bucket_mb=3)
+    engine.submit([GenerationRequest("x", [1], SamplingParams(max_new_tokens=1))])
+    _drain(engine)  # the background loop ran: the synchronous update must pause it
+    engine.update_weights(iter(named))
+    pushes = [c[1] for c in engine._engine.calls if c[0] == "update_weights_from_tensor"]
+    assert [p["names"] for p in pushes] == [["w0", "w1", "w2"], ["w3", "w4", "w5"], ["w6"], ["big"], ["tail"]]
+    assert [p["flush_cache"] for p in pushes] == [False] * 4 + [True]
+
+
+def test_memory_release_and_resume_by_tag_need_an_idle_engine():
+    engine = _engine()
+    engine.submit([GenerationRequest("x", [1], SamplingParams(max_new_tokens=2))])
+    with pytest.raises(RuntimeError, match="needs an idle engine"):
+        engine.release_memory(["kv_cache"])
+    _drain(engine)
+    engine.release_memory(["kv_cache", "weights"])
+    engine.resume_memory(["weights"])
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.release_memory(["kv"])
+    memory = [c for c in engine._engine.calls if c[0].endswith("_occupation")]
+    assert memory == [("release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
+                      ("resume_memory_occupation", {"tags": ["weights"]})]
+    engine.shutdown()
+    assert engine._engine.calls[-1][0] == "shutdown"
+
+
+def test_bad_requests_are_refused_by_name():
+    engine = _engine()
+    with pytest.raises(RequestError, match="'e': empty prompt.*'t': temperature") as err:
+        engine.submit([GenerationRequest("e", [], SamplingParams()),
+                       GenerationRequest("ok", [3], SamplingParams(max_new_tokens=1)),
+                       GenerationRequest("t", [1], SamplingParams(temperature=-1.0))])
+    assert err.value.request_ids == ("e", "t")
+    assert list(_drain(engine)) == ["ok"]
+
+
+def test_sglang_is_imported_only_when_selected():
+    _engine()
+    assert "sglang" not in sys.modules  # neither the package import nor the double pulled it in
+    if importlib.util.find_spec("sglang") is None:  # CPU machines: the import happens in the constructor
+        with pytest.raises(ModuleNotFoundError, match="sglang"):
+            make_engine(RolloutConfig(backend="sglang"), "/m")
+
+
+# ---- contract with the pinned release -----------------------------------------------------------
+NETWORK_ERRORS = ("Network is unreachable", "Temporary failure in name resolution", "Max retries exceeded",
+                  "Failed to establish a new connection", "Connection refused", "timed out", "ProxyError")
+
+
+def _wheel() -> Path:
+    found = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    if not found:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                               f"sglang=={SGLANG_VERSION}", "-d", str(WHEEL_CACHE)],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode and any(e in proc.stderr for e in NETWORK_ERRORS):
+            pytest.skip(f"package index unreachable, cannot fetch sglang=={SGLANG_VERSION}: "
+                        f"{proc.stderr.strip().splitlines()[-1]}")
+        assert proc.returncode == 0, proc.stderr
+        found = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    return found[0]
+
+
+class WheelSource:
+    """Classes, signatures and string constants of the wheel's Python source, via ``ast``."""
+
+    def __init__(self, wheel: Path):
+        self.zip = zipfile.ZipFile(wheel)
+        self._trees: dict[str, ast.Module] = {}
+
+    def tree(self, path: str) -> ast.Module:
+        if path not in self._trees:
+            self._trees[path] = ast.parse(self.zip.read(path))
+        return self._trees[path]
+
+    def cls(self, path: str, name: str) -> ast.ClassDef:
+        found = [n for n in ast.walk(self.tree(path)) if isinstance(n, ast.ClassDef) and n.name == name]
+        assert found, f"class {name} not found in {path}"
+        return found[0]
+
+    @staticmethod
+    def methods(cls: ast.ClassDef) -> dict[str, ast.FunctionDef]:
+        return {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    @staticmethod
+    def fields(cls: ast.ClassDef) -> set[str]:
+        return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+    @cached_property
+    def server_args_fields(self) -> set[str]:
+        paths = ["sglang/srt/server_args.py"] + [n for n in self.zip.namelist()
+                                                  if n.startswith("sglang/srt/arg_groups/fields/")
+                                                  and n.endswith(".py")]
+        return {f for p in paths for n in ast.walk(self.tree(p)) if isinstance(n, ast.ClassDef)
+                for f in self.fields(n)}
+
+    def strings(self, path: str) -> set[str]:
+        return {n.value for n in ast.walk(self.tree(path)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+CLASSES = {"Engine": "sglang/srt/entrypoints/engine.py", "TokenizerManager": "sglang/srt/managers/tokenizer_manager.py"}
+
+
+@pytest.fixture(scope="module")
+def wheel() -> WheelSource:
+    return WheelSource(_wheel())
+
+
+@pytest.mark.parametrize("qualname", sorted(SGLANG_API))
+def test_every_call_exists_in_the_pinned_release(wheel, qualname):
+    owner, method = qualname.split(".")
+    fn = wheel.methods(wheel.cls(CLASSES[owner], owner)).get(method)
+    assert fn is not None, f"sglang=={SGLANG_VERSION} has no {qualname}"
+    a = fn.args
+    params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+    if a.kwarg is not None and method == "__init__":  # Engine(**kwargs) builds ServerArgs from them
+        params |= wheel.server_args_fields
+    missing = set(SGLANG_API[qualname]) - params
+    assert not missing, f"sglang=={SGLANG_VERSION} {qualname} lacks keywords {sorted(missing)}"
+
+
+def test_engine_attributes_sampling_keys_outputs_and_env_exist(wheel):
+    engine_path = CLASSES["Engine"]
+    assigned = {n.attr for n in ast.walk(wheel.cls(engine_path, "Engine"))
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    assert set(SGLANG_ENGINE_ATTRIBUTES) <= assigned | wheel.fields(wheel.cls(engine_path, "Engine"))
+    sampling = wheel.fields(wheel.cls("sglang/srt/sampling/sampling_params.py", "SamplingParams"))
+    assert set(SGLANG_SAMPLING_KEYS) <= sampling, set(SGLANG_SAMPLING_KEYS) - sampling
+    out_strings = wheel.strings(CLASSES["TokenizerManager"])
+    assert set(SGLANG_OUTPUT_KEYS) <= out_strings, set(SGLANG_OUTPUT_KEYS) - out_strings
+    assert {"type", "stop", "length", "abort"} <= wheel.strings("sglang/srt/managers/schedule_batch.py")
+    assert set(SGLANG_ENV) <= wheel.strings("sglang/srt/layers/sampler.py")
