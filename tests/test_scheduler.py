@@ -22,7 +22,7 @@ from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.sim import H800, LengthOracle, ModelSpec, PerfModel, SimEngine, SimRewardSink, longtail_trace
 from rollpacker.sim.traces import PromptLengths
 
-TINY = ModelSpec("tiny", 5e8, 8, 2)
+TINY = ModelSpec("tiny", 5e8, 8, 1024, 2)
 
 
 class RecordingEngine(SimEngine):

@@ -16,7 +16,7 @@ from rollpacker.sim.__main__ import main
 from rollpacker.sim.traces import parse_request_id
 from rollpacker.testing import REPO_ROOT
 
-TINY = ModelSpec("tiny", 5e8, 8, 2)
+TINY = ModelSpec("tiny", 5e8, 8, 1024, 2)
 
 
 def drain(engine: SimEngine, clock: VirtualClock) -> list:

@@ -2,9 +2,8 @@
 
 Assumptions (all overridable through ``Efficiency``):
 
-- H800 SXM: 80 GB HBM3 at 3.35 TB/s, ~990 TFLOP/s dense bf16 (H100 compute;
-  the H800 differs in NVLink bandwidth, which only enters through the
-  per-all-reduce latency below).
+- H800 SXM: 80 GB HBM3 at 3.35 TB/s, ~990 TFLOP/s dense bf16 (H100 compute),
+  NVLink 400 GB/s bidirectional, i.e. 200 GB/s each way (the H800's cut).
 - bf16 weights and KV cache. Qwen2.5 shapes from the published HF configs:
   7B (7.62e9 params, 28 layers, 4 KV heads), 14B (14.77e9, 48 layers, 8 KV
   heads), 32B (32.76e9, 64 layers, 8 KV heads), head dim 128. KV bytes per
@@ -14,8 +13,9 @@ Assumptions (all overridable through ``Efficiency``):
   KV read per token``: the GEMMs are bound by reading the weights (1/TP of
   them per GPU) unless the batch is large, attention by reading every
   request's KV cache. 75% of peak bandwidth and 50% of peak FLOPs are
-  achieved; 1.5 ms of per-step host and launch overhead; two all-reduces per
-  layer of 12 us each when TP > 1.
+  achieved; 1.5 ms of per-step host and launch overhead; when TP > 1, two
+  ring all-reduces per layer of the batch's activations (B x hidden x 2
+  bytes), each 12 us of latency + 2(TP-1)/TP x bytes / NVLink bandwidth.
 - Prefill of T tokens costs 2 x params x T FLOPs at the same efficiency and
   is charged to the next decode step (chunked into the running batch).
 - KV capacity: 85% of the TP group's HBM (SGLang's mem_fraction_static),
@@ -35,9 +35,10 @@ class GPUSpec:
     hbm_bytes: float
     hbm_bytes_per_s: float
     bf16_flops: float
+    nvlink_bytes_per_s: float  # one direction
 
 
-H800 = GPUSpec("H800", 80e9, 3.35e12, 990e12)
+H800 = GPUSpec("H800", 80e9, 3.35e12, 990e12, 200e9)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelSpec:
     name: str
     params: float
     layers: int
+    hidden: int
     kv_heads: int
     head_dim: int = 128
 
@@ -58,9 +60,9 @@ class ModelSpec:
 
 
 QWEN25 = {
-    "7b": ModelSpec("Qwen2.5-7B", 7.62e9, 28, 4),
-    "14b": ModelSpec("Qwen2.5-14B", 14.77e9, 48, 8),
-    "32b": ModelSpec("Qwen2.5-32B", 32.76e9, 64, 8),
+    "7b": ModelSpec("Qwen2.5-7B", 7.62e9, 28, 3584, 4),
+    "14b": ModelSpec("Qwen2.5-14B", 14.77e9, 48, 5120, 8),
+    "32b": ModelSpec("Qwen2.5-32B", 32.76e9, 64, 5120, 8),
 }
 
 
@@ -81,7 +83,8 @@ class PerfModel:
         bw = gpu.hbm_bytes_per_s * eff.bandwidth * tp
         self._weight_read_s = model.weight_bytes / bw
         self._flop_s = gpu.bf16_flops * eff.mfu * tp
-        self._fixed_s = eff.step_overhead_s + (2 * model.layers * eff.allreduce_s if tp > 1 else 0.0)
+        self._allreduces = 2 * model.layers if tp > 1 else 0
+        self._allreduce_s_per_request = (2 * (tp - 1) / tp * model.hidden * 2 / gpu.nvlink_bytes_per_s)
         self.kv_read_s_per_token = model.kv_bytes_per_token / bw
         free = gpu.hbm_bytes * tp * eff.mem_fraction - model.weight_bytes
         if free <= 0:
@@ -93,7 +96,9 @@ class PerfModel:
 
     def step_base_seconds(self, batch: int) -> float:
         """Decode step time without the KV-read term."""
-        return self._fixed_s + max(self._weight_read_s, 2.0 * self.model.params * batch / self._flop_s)
+        allreduce = self._allreduces * (self.eff.allreduce_s + batch * self._allreduce_s_per_request)
+        return (self.eff.step_overhead_s + allreduce
+                + max(self._weight_read_s, 2.0 * self.model.params * batch / self._flop_s))
 
     def decode_seconds(self, steps: int, batch: int, context: int) -> float:
         """``steps`` decode steps of ``batch`` requests starting at ``context`` KV tokens
