@@ -3,9 +3,14 @@
 One explicit state machine per rank. The trainer and the rollout engines
 share the accelerator, so each phase keeps only its own memory resident::
 
-    LOADED --> ROLLOUT --> TRAIN --> SYNC --> ROLLOUT --> ...
-       trainer offloaded   engines released   engine weights back   KV back,
-                           trainer onloaded   (for the weight push) trainer offloaded
+    TRAIN ------------> SYNC ---------------> ROLLOUT ------------> TRAIN
+          engine weights     trainer offloaded,       engines released,
+          resumed (for the   engine KV resumed        trainer onloaded
+          weight push)
+
+A run starts in TRAIN with every engine released. Weights are pushed in SYNC,
+right before the rollout that uses them, so a regroup between rounds only
+chooses which engine set wakes up.
 
 Every hand-off is a fixed list of actions; each is timed and put on the
 rank's timeline. On CPU the actions are cheap no-ops inside the backends, but
@@ -34,7 +39,6 @@ class Offloadable(Protocol):
 
 
 class Phase(enum.Enum):
-    LOADED = "loaded"  # after build: everything resident
     ROLLOUT = "rollout"
     TRAIN = "train"
     SYNC = "sync"
@@ -48,10 +52,9 @@ class PhaseMachine:
     def __init__(self, trainer: Offloadable, engines: Callable[[], Sequence[RolloutEngine]], timeline: Timeline):
         """``engines`` returns the engines this rank leads in the current layout (may change per round)."""
         self.trainer, self.engines, self.timeline = trainer, engines, timeline
-        self.phase = Phase.LOADED
+        self.phase = Phase.TRAIN
         self.seconds: dict[str, float] = {}
         self._table: dict[tuple[Phase, Phase], list[tuple[str, Callable[[], None]]]] = {
-            (Phase.LOADED, Phase.ROLLOUT): [("offload", self.trainer.offload)],
             (Phase.ROLLOUT, Phase.TRAIN): [("offload", lambda: self._engines("release_memory", WEIGHTS + CACHE)),
                                            ("onload", self.trainer.onload)],
             (Phase.TRAIN, Phase.SYNC): [("onload", lambda: self._engines("resume_memory", WEIGHTS))],

@@ -68,18 +68,18 @@ def test_phase_machine_follows_the_handoff_table():
     calls: list[str] = []
     timeline = Timeline(rank=0)
     machine = PhaseMachine(_Recorder(calls), lambda: [_Recorder(calls)], timeline)
-    for phase in (Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC, Phase.ROLLOUT):
+    for phase in (Phase.SYNC, Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC):
         machine.to(phase)
     assert calls == [
-        "trainer.offload",
-        "engine.release('weights', 'kv_cache', 'cuda_graph')", "trainer.onload",
         "engine.resume('weights',)",
         "trainer.offload", "engine.resume('kv_cache', 'cuda_graph')",
+        "engine.release('weights', 'kv_cache', 'cuda_graph')", "trainer.onload",
+        "engine.resume('weights',)",
     ]
     assert {s.phase for s in timeline.spans} == {"offload", "onload"}
     assert any(k.startswith("handoff/rollout_to_train/") for k in machine.pop_seconds())
-    with pytest.raises(PhaseError, match="no hand-off from rollout to sync"):
-        machine.to(Phase.SYNC)
+    with pytest.raises(PhaseError, match="no hand-off from sync to train"):
+        machine.to(Phase.TRAIN)
 
 
 def test_metrics_jsonl_and_resume_truncation(tmp_path):

@@ -1,0 +1,61 @@
+"""This rank's rollout engines: one per TP size the planner may choose, one set awake.
+
+Regrouping between rounds is a switch of engine set: every rank belongs to
+exactly one engine of each TP size (``World.rollout``). All sets are released
+while the trainer runs; before a round the program selects the set of the
+round's TP size, and the phase machine wakes it (weights, then KV cache)
+while the current weights are pushed into it. Control-plane calls (release,
+resume, weight loads) are made by every rank of an engine together; only the
+decode loop is leader-driven.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from rollpacker.rollout import make_engine
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import MEMORY_TAGS, RolloutEngine
+from rollpacker.runtime.world import RolloutLayout, World
+from rollpacker.sync import make_weight_sync
+
+
+class EngineSets:
+    def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, tp_sizes: list[int]):
+        """Collective: build this rank's engine of every TP size, then release them all."""
+        self.world = world
+        self.sync = make_weight_sync(cfg)
+        self.engines: dict[int, RolloutEngine] = {}
+        for tp in sorted(set(tp_sizes)):
+            layout = world.rollout[tp]
+            self.engines[tp] = make_engine(cfg, model_dir, group=layout.group, engine_id=layout.engine_id,
+                                           device=str(world.device))
+            self.engines[tp].release_memory(list(MEMORY_TAGS))
+        self.tp = min(self.engines)
+
+    @property
+    def layout(self) -> RolloutLayout:
+        return self.world.rollout[self.tp]
+
+    @property
+    def active(self) -> RolloutEngine:
+        return self.engines[self.tp]
+
+    def awake(self) -> list[RolloutEngine]:
+        """The engine the phase machine resumes and releases: this rank's one in the current layout."""
+        return [self.active]
+
+    def select(self, tp: int) -> None:
+        """Choose the set for the next round; only while every set is released (TRAIN phase)."""
+        if tp not in self.engines:
+            raise ValueError(f"no rollout engines of TP {tp}; built: {sorted(self.engines)}")
+        self.tp = tp
+
+    def push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Collective: load the trainer's current weights into the awake engine."""
+        return self.sync.push(self.active, self.layout.is_leader, named_tensors)
+
+    def shutdown(self) -> None:
+        for engine in self.engines.values():
+            engine.shutdown()

@@ -1,0 +1,55 @@
+"""Everything that can be refused is refused here, on every rank, before any work.
+
+Runs before the process group exists: each rank reads the same config and
+files and reaches the same verdict, so a bad run fails everywhere at once
+with one message (printed by rank 0) instead of hanging in a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollpacker.config import Config, check_layout, load_config
+from rollpacker.configlib import ConfigError
+
+
+@dataclass
+class Preflight:
+    cfg: Config
+    tokenizer: object
+    run_dir: Path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rollpacker.train", description="RollPacker GRPO training (run under torchrun)")
+    p.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-6")
+    return p.parse_args(argv)
+
+
+def preflight(argv: list[str] | None) -> Preflight:
+    """Load and check the config, the model directory and the data; exit(2) with one message if unusable."""
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides).resolve(Path.cwd())
+        check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        tokenizer = load_tokenizer(cfg.model.path, cfg.source)
+        from rollpacker.data.dataset import PromptDataset
+        for split in ("train", "eval") if cfg.data.eval_files else ("train",):
+            PromptDataset.from_config(cfg.data, tokenizer, split=split)  # raises on a file with no usable rows
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"rollpacker: cannot start: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return Preflight(cfg=cfg, tokenizer=tokenizer, run_dir=(Path(cfg.run.output_dir) / cfg.run.name).resolve())
+
+
+def load_tokenizer(model_dir: str, source: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
+        raise ConfigError(f"{source}: model.path: cannot load a tokenizer from {model_dir}: {exc}") from None

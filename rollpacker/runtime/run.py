@@ -1,0 +1,174 @@
+"""One training run: the components of every rank and the phases of a step.
+
+``rollpacker.train`` reads as the phases in order; this module holds what
+each phase does. Rank 0 owns the coordinator state (data, scheduler, reward
+pool, ledger, metrics); every rank owns its engines and its trainer shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_ext.parallel import setup_layout
+from rollpacker.checkpoint import CheckpointManager
+from rollpacker.configlib import to_dict
+from rollpacker.coordinator import exchange_endpoints
+from rollpacker.data.dataset import PromptDataset
+from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
+from rollpacker.phases import Phase, PhaseMachine
+from rollpacker.reward import RewardPool
+from rollpacker.runtime.engines import EngineSets
+from rollpacker.runtime.ledger import PromptLedger
+from rollpacker.runtime.preflight import Preflight
+from rollpacker.runtime.rollout_phase import PoolRewardSink, RolloutPhase, broadcast_groups
+from rollpacker.runtime.world import World
+from rollpacker.scheduler import Scheduler
+from rollpacker.scheduler.round import RoundPlan, RoundResult
+from rollpacker.trainer.trainer import Trainer
+
+log = logging.getLogger("rollpacker")
+
+
+class Run:
+    def __init__(self, pre: Preflight, world: World):
+        cfg, self.cfg, self.world, self.run_dir = pre.cfg, pre.cfg, world, pre.run_dir
+        self.timeline = Timeline(world.rank)
+        planner = cfg.scheduler.planner
+        tp_sizes = sorted({planner.short_tp, planner.long_tp} if planner.enabled else {cfg.rollout.tp})
+        world.build_rollout_layouts(tp_sizes)
+        layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, seed=cfg.run.seed)
+        self.trainer = Trainer(cfg.trainer, cfg.model.path, layout)
+        self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes)
+        self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline)
+        self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints)
+        self.ckpt.install_sigterm_handler()
+        self.coordinator = world.rank == 0
+        scheduler = sink = None
+        if self.coordinator:
+            self.dataset = PromptDataset.from_config(cfg.data, pre.tokenizer)
+            self.pool = RewardPool(cfg.reward)
+            sink = PoolRewardSink(self.pool, pre.tokenizer)
+            scheduler = Scheduler(cfg.scheduler, cfg.rollout, self.dataset, rollout_ranks=world.size,
+                                  stop_token_ids=[pre.tokenizer.eos_token_id],
+                                  async_reward=cfg.reward.async_scoring)
+        self.scheduler = scheduler
+        self.rollout_phase = RolloutPhase(self.engines, exchange_endpoints(), scheduler=scheduler, reward=sink)
+        self.seconds: dict[str, float] = {}
+
+    # --- resume ----------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Restore the latest checkpoint if there is one; returns the last completed step."""
+        step = self.ckpt.latest()
+        if step is not None:
+            rank_state, shared = self.ckpt.load(step)
+            self.trainer.load_state_dict(rank_state["trainer"])
+            if self.coordinator:
+                self.dataset.load_state_dict(shared["data"])
+                self.scheduler.load_state_dict(shared["scheduler"])
+                self.pool.load_state_dict(shared["reward"])
+            log.info("resumed from step %d (%s)", step, self.ckpt.path(step))
+        if self.coordinator:
+            self.ledger = PromptLedger(self.run_dir, resume_step=step or 0)
+            self.metrics = MetricsLogger(self.run_dir, rank=0, wandb_mode=self.cfg.run.wandb,
+                                         project=self.cfg.run.wandb_project, name=self.cfg.run.name,
+                                         config=to_dict(self.cfg), resume_step=step or 0)
+        return step or 0
+
+    # --- the phases of a step --------------------------------------------------------------------
+    def plan_round(self) -> RoundPlan | None:
+        """Rank 0 plans the round; every rank selects the engine set of the round's TP size."""
+        plan = self.scheduler.plan_round() if self.coordinator else None
+        box = [plan.tp if plan else None]
+        dist.broadcast_object_list(box, src=0)
+        self.engines.select(box[0])
+        return plan
+
+    def sync_weights(self) -> None:
+        """Wake the round's engines and load the trainer's current weights into them."""
+        with self._timed("sync"):
+            self.phases.to(Phase.SYNC)
+            self.seconds.update(self.engines.push(self.trainer.iter_hf_tensors()))
+
+    def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
+        self.phases.to(Phase.ROLLOUT)
+        with self._timed("rollout" if self.coordinator else "follow"):
+            return self.rollout_phase.run(plan)
+
+    def train(self, result: RoundResult | None) -> dict[str, float]:
+        self.phases.to(Phase.TRAIN)
+        with self._timed("train"):
+            groups = broadcast_groups(result.groups if result else None)
+            return self.trainer.train_step(groups)
+
+    def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
+        """Metrics, timeline, ledger and checkpoint; returns True when the run must stop now."""
+        spans = self.timeline.gather()
+        stop = self.ckpt.any_stop_requested()
+        every = self.cfg.run.save_every
+        if stop or (every and step % every == 0) or step == self.cfg.run.steps:
+            with self._timed("checkpoint"):
+                self.save(step)
+        if self.coordinator:
+            image = plot_timeline(spans, self.run_dir / "timeline" / f"step_{step:06d}.png", f"step {step}")
+            self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
+            self.metrics.log(step, self._step_metrics(result, train_metrics), timeline=image)
+            s = result.stats
+            log.info("step %d/%d %s tp=%d rollout %.1fs reward %.3f loss %.4f queue %d", step, self.cfg.run.steps,
+                     result.kind.value, result.tp, s.rollout_seconds, self._last_reward, train_metrics.get("loss", 0.0),
+                     s.queue_length)
+        self.seconds = {}
+        return stop
+
+    def save(self, step: int) -> None:
+        shared = None
+        if self.coordinator:
+            shared = {"step": step, "data": self.dataset.state_dict(), "scheduler": self.scheduler.state_dict(),
+                      "reward": self.pool.state_dict()}
+        self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared)
+
+    def close(self) -> None:
+        self.rollout_phase.close()
+        self.engines.shutdown()
+        if self.coordinator:
+            self.pool.close()
+            self.metrics.close()
+
+    # --- helpers ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            self.timeline.record(phase, start, end)
+            key = f"time/{phase}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + end - start
+
+    def _step_metrics(self, result: RoundResult, train: dict[str, float]) -> dict[str, Any]:
+        s = result.stats
+        samples = result.samples
+        lengths = np.array([x.num_response_tokens for x in samples])
+        rewards = np.array([x.reward for x in samples], dtype=float)
+        self._last_reward = float(rewards.mean())
+        return {
+            "round": result.kind.value, "rollout_tp": result.tp, "prompts_launched": s.launched_prompts,
+            "responses_launched": s.launched_responses, "prompts_kept": s.kept_prompts,
+            "responses_kept": len(samples), "groups": len(result.groups),
+            "group_sizes": sorted({len(g) for g in result.groups}),
+            "rollout_s": s.rollout_seconds, "reward_s": s.reward_seconds, "bubble_fraction": s.bubble_fraction,
+            "generated_tokens": s.generated_tokens, "wasted_tokens": s.wasted_tokens, "preemptions": s.preemptions,
+            "queue_length": s.queue_length, "deferred_prompts": s.deferred_prompts,
+            "filtered_prompts": s.filtered_prompts,
+            "response_len_p50": float(np.percentile(lengths, 50)), "response_len_p90": float(np.percentile(lengths, 90)),
+            "response_len_p99": float(np.percentile(lengths, 99)), "response_len_max": int(lengths.max()),
+            "reward_mean": self._last_reward,
+            "accuracy": float(np.mean([bool(x.correct) for x in samples])),
+            **self.seconds, **self.phases.pop_seconds(), **{f"train/{k}": v for k, v in train.items()},
+        }

@@ -1,0 +1,41 @@
+"""RollPacker's entry point, one SPMD program on every rank.
+
+    torchrun --nproc_per_node N -m rollpacker.train --config configs/X.yaml [section.key=value ...]
+
+Each step: plan the round (tail batching decides short or long, the planner
+its rollout TP) → wake that round's engines with the current weights →
+rollout, rewards scored as responses finish → train (one optimizer step) →
+metrics and checkpoint. A restart with the same command resumes from the
+latest checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from rollpacker.runtime.preflight import preflight
+from rollpacker.runtime.run import Run
+from rollpacker.runtime.world import World
+
+
+def main(argv: list[str] | None = None) -> int:
+    pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
+    world = World.init(pre.cfg.run.threads_per_rank)
+    logging.basicConfig(level=logging.INFO if world.rank == 0 else logging.WARNING,
+                        format="%(asctime)s rollpacker %(levelname)s %(message)s", stream=sys.stderr)
+    run = Run(pre, world)  # groups, engines, trainer, scheduler, reward pool
+    start = run.resume()
+    for step in range(start + 1, pre.cfg.run.steps + 1):
+        plan = run.plan_round()  # short or long round, rollout TP
+        run.sync_weights()  # trainer shards -> HF tensors -> the round's engines
+        result = run.rollout(plan)  # scheduler + engines + reward pool
+        train_metrics = run.train(result)  # one GRPO optimizer step
+        if run.end_step(step, result, train_metrics):  # metrics, ledger, checkpoint; SIGTERM stops here
+            break
+    run.close()
+    world.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
