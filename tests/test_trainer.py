@@ -6,19 +6,21 @@ the ratio and the mismatch metric; padding does not change the numerics.
 """
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import pytest
 import torch
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2
+from rollpacker.testing import make_random_qwen2, run_torchrun
 from rollpacker.trainer.backend import logprobs_only
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch
 from rollpacker.trainer.stream import with_advantages
 from rollpacker.trainer.trainer import Trainer
 from tests.dist.trainer_fixtures import random_groups
+from tests.dist.trainer_tp import STEP_CONFIG, two_steps
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +155,18 @@ def test_offload_keeps_weights_and_hf_export_round_trips(layout, model_dir, tmp_
     assert same(params(reloaded), before)
     names = [n for n, _ in trainer.iter_hf_tensors()]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_tensor_parallel_steps_match_single_rank(layout, model_dir, tmp_path):
+    """Vocab-parallel loss, TP-duplicate-aware grad norm, KL swap: TP=2 reproduces TP=1."""
+    out = tmp_path / "tp2.json"
+    run_torchrun(2, ["tests/dist/trainer_tp.py", str(model_dir), str(out)], timeout=300)
+    tp2 = json.loads(out.read_text())
+    tp1 = two_steps(Trainer(TrainerConfig(**STEP_CONFIG), model_dir, layout))
+    for a, b in zip(tp1, tp2):
+        for key in ("loss", "grad_norm", "entropy", "kl", "tokens", "skipped"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), key
+    assert tp2[1]["kl"] > 0  # the second step sees the first update
 
 
 def test_layout_mismatch_is_refused(layout, model_dir):

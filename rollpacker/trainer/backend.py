@@ -154,13 +154,15 @@ class Backend(abc.ABC):
             torch.cuda.set_rng_state(state["cuda"])
 
     @contextlib.contextmanager
-    def swapped_params(self, host: dict[str, torch.Tensor]) -> Iterator[None]:
+    def swapped_params(self, host: dict[str, torch.Tensor],
+                       current: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
         """Temporarily run with other weights (the reference policy) in the same model.
 
-        The current weights go to host and come back bit-identical, so no
-        second model is ever resident on the device.
+        The current weights come back bit-identical from ``current`` (their host
+        copy, when the caller already holds one) or from a copy taken here, so
+        no second model is ever resident on the device.
         """
-        current = self.params_to_host()
+        current = self.params_to_host() if current is None else current
         self.load_params(host)
         try:
             yield

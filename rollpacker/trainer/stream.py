@@ -91,10 +91,15 @@ class StreamTrainer:
         self._compute_s = [0.0, 0.0]
         self._started_at: float | None = None
         self._rollout_ended_at: float | None = None
+        self._policy_on_host: dict[str, torch.Tensor] | None = None
         self._open = True
 
     def consume(self, groups: Sequence[Sequence[Sample]]) -> None:
-        """Forward/backward on finished prompt groups now; gradients stay local."""
+        """Forward/backward on finished prompt groups now; gradients stay local.
+
+        Every rank of one data-parallel replica (its TP/PP/CP peers) must be
+        fed the same groups; different replicas may be fed anything.
+        """
         self._require_open()
         if not groups:
             return
@@ -152,7 +157,10 @@ class StreamTrainer:
             c["tokens_before"] += tokens
 
     def _attach_reference_logprobs(self, mbs: list[MicroBatch]) -> None:
-        with self.backend.swapped_params(self.reference):
+        # weights do not change within a step: copy them to host once, not once per streamed group
+        if self._policy_on_host is None:
+            self._policy_on_host = self.backend.params_to_host()
+        with self.backend.swapped_params(self.reference, current=self._policy_on_host):
             ref = self.backend.forward_backward(mbs, self._ref_fn, forward_only=True)
         for mb, lp in zip(mbs, ref):  # empty off the last pipeline stage, which computes no loss
             mb.ref_logprobs = lp
@@ -160,6 +168,7 @@ class StreamTrainer:
     def _reduce_and_step(self) -> dict[str, float]:
         layout = self.backend.layout
         self._open = False
+        self._policy_on_host = None
         counts = torch.tensor([*self._counts.values(), *self._compute_s], dtype=torch.float64, device=layout.device)
         sums = self._sums.as_vector()
         if layout.dp > 1:
