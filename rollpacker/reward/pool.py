@@ -23,8 +23,9 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
 
 from rollpacker.reward.adaptive import CodeTimeouts
 from rollpacker.reward.config import RewardConfig
@@ -33,6 +34,9 @@ from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
 from rollpacker.reward.scorers.code import parse_tests
 from rollpacker.reward.worker import READY, Job, Outcome, WorkerSettings, worker_main
+
+if TYPE_CHECKING:
+    from rollpacker.reward.scorers.judge import LLMJudge
 
 log = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 2  # a sample whose worker dies or hangs is retried once
@@ -62,8 +66,8 @@ class _Request:
 @dataclass
 class _Slot:
     index: int
-    process: Any  # multiprocessing process of the pool's context
-    conn: Any  # the pool's end of the worker's pipe
+    process: BaseProcess
+    conn: Connection  # the pool's end of the worker's pipe
     ready: bool = False
     request: _Request | None = None
     job_id: int = 0
@@ -74,20 +78,24 @@ class _Slot:
 class RewardPool:
     """``submit`` returns a Future[Score]; it blocks while ``cfg.queue_size`` jobs wait.
 
-    An optional ``judge`` (``rollpacker.reward.scorers.judge.LLMJudge``) scores
-    ``data_source == "judge"`` samples; the pool closes it on ``close``.
+    An optional ``judge`` scores ``data_source == "judge"`` samples; the pool closes it on ``close``.
     """
 
-    def __init__(self, cfg: RewardConfig, *, judge: Any = None):
+    def __init__(self, cfg: RewardConfig, *, judge: LLMJudge | None = None):
         cfg.validate()
         self._cfg = cfg
         self._judge = judge
         self._ctx = mp.get_context(cfg.start_method)
+        if cfg.start_method == "forkserver":
+            # The fork server imports the scorers once; a replacement worker then starts in
+            # milliseconds instead of re-importing sympy.  (No effect if the server already runs.)
+            self._ctx.set_forkserver_preload(["rollpacker.reward.worker", "rollpacker.reward.scorers.math_answer"])
         self._timeouts = CodeTimeouts(cfg)
         self._queue: queue.Queue[_Request] = queue.Queue(maxsize=cfg.queue_size)
         self._retry: collections.deque[_Request] = collections.deque()
         self._submit_lock = threading.Lock()
-        self._closing = False
+        self._closing = False  # no more submissions: set by close() or by a failed dispatcher
+        self._closed = False
         self._replaced = self._retried = self._start_failures = 0
         self._all_ready = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -107,7 +115,7 @@ class RewardPool:
         request = self._request(scorer, response, label, key)
         with self._submit_lock:
             if self._closing:
-                raise RuntimeError("RewardPool.submit after close()")
+                raise RuntimeError("RewardPool.submit after close() or after its dispatcher failed")
             self._queue.put(request)
         self._wake()
         return request.future
@@ -119,9 +127,9 @@ class RewardPool:
     def close(self) -> None:
         """Finish every submitted sample, then stop the workers."""
         with self._submit_lock:
-            if self._closing:
+            if self._closed:
                 return
-            self._closing = True
+            self._closing = self._closed = True
         self._wake()
         self._thread.join()
         os.close(self._wake_r)
