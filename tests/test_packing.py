@@ -95,3 +95,15 @@ def test_plan_respects_budget_and_refuses_untrainable_samples():
     with pytest.raises(ValueError, match="rollout log-probs"):
         build_micro_batch([samples[0].replace(rollout_logprobs=[-1.0] * 999)], aggregation="token_mean",
                           layout="padded")
+
+
+def test_gpu_thd_hand_off_keeps_the_packing():
+    """Without context parallelism the GPU backend passes the packed batch through untouched."""
+    from rollpacker.trainer.backend_gpu import cp_shard
+    samples = [s.replace(advantage=1.0) for s in random_groups(3, num_groups=1)[0]]
+    mb = build_micro_batch(samples, aggregation="token_mean", layout="thd", pad_multiple=1)
+    shard, params = cp_shard(mb, cp=1, cp_rank=0)
+    assert torch.equal(shard.input_ids, mb.input_ids) and torch.equal(shard.loss_mask, mb.loss_mask)
+    assert params.qkv_format == "thd" and params.max_seqlen_q == mb.max_seqlen
+    assert torch.equal(params.cu_seqlens_q, mb.cu_seqlens_unpadded)
+    assert torch.equal(params.cu_seqlens_q_padded, mb.cu_seqlens)

@@ -15,6 +15,7 @@ compute exactly the trainer's sum-then-normalise objective (grpo.py):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Any, Iterator
@@ -25,19 +26,27 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
 from rollpacker.trainer.backend import Backend, LossFn, StepResult
 from rollpacker.trainer.config import TrainerConfig
-from rollpacker.trainer.packing import MicroBatch
+from rollpacker.trainer.packing import TOKEN_FIELDS, MicroBatch
 
 
-def packed_seq_params(mb: MicroBatch) -> PackedSeqParams:
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=mb.cu_seqlens_unpadded, cu_seqlens_kv=mb.cu_seqlens_unpadded,
-        cu_seqlens_q_padded=mb.cu_seqlens, cu_seqlens_kv_padded=mb.cu_seqlens,
-        max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+def cp_shard(mb: MicroBatch, cp: int, cp_rank: int) -> tuple[MicroBatch, PackedSeqParams]:
+    """This context-parallel rank's tokens of a packed micro-batch, and its ``PackedSeqParams``.
+
+    Megatron's THD helper cuts every (padded) sequence into ``2*cp`` chunks and
+    gives rank r chunks r and 2*cp-1-r (load-balanced causal attention); with
+    cp == 1 it keeps everything. Every per-token tensor is cut the same way.
+    """
+    fields = {name: getattr(mb, name) for name in TOKEN_FIELDS if getattr(mb, name) is not None}
+    batch = {("tokens" if k == "input_ids" else k): v for k, v in fields.items()}
+    batch, params = get_thd_batch_on_this_cp_rank(
+        batch, mb.cu_seqlens_unpadded, mb.cu_seqlens, torch.tensor([mb.max_seqlen]), cp_size=cp, cp_rank=cp_rank)
+    batch["input_ids"] = batch.pop("tokens")
+    return dataclasses.replace(mb, **batch), params
 
 
 def _host_param_state(optimizer: Any) -> dict:
@@ -93,8 +102,8 @@ class GpuBackend(Backend):
         self._forward_backward_func = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
 
     def _forward_step(self, loss_fn: LossFn, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-        mb = next(data_iterator).to(self.layout.device)
-        output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=packed_seq_params(mb))
+        mb, params = cp_shard(next(data_iterator).to(self.layout.device), self.layout.cp, self.layout.cp_rank)
+        output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=params)
 
         def loss_func(logits: torch.Tensor):
             loss, result = loss_fn(mb, logits)

@@ -74,6 +74,10 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in batches]
 
 
+TOKEN_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "weights", "rollout_logprobs",
+                "sequence_starts", "ref_logprobs")
+
+
 @dataclass
 class MicroBatch:
     """One forward/backward's worth of sequences, all per-token tensors of one shape."""

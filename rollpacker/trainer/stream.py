@@ -174,6 +174,8 @@ class StreamTrainer:
         if layout.dp > 1:
             dist.all_reduce(counts, group=layout.dp_group)
             dist.all_reduce(sums, group=layout.dp_group)
+        if layout.cp > 1:  # each context-parallel rank summed its own share of every sequence
+            dist.all_reduce(sums, group=layout.cp_group)
         if layout.pp > 1:  # only the last stage computed the loss; share its metrics with every stage
             dist.all_reduce(sums, group=layout.pp_group)
         total = dict(zip(self._counts, (int(x) for x in counts[:len(self._counts)].tolist())))
