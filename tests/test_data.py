@@ -32,13 +32,13 @@ def write_jsonl(path, rows, raw_lines=()):
     return str(path)
 
 
-def good_row(content="Start at 1, apply #1+2 mod 100.", truth="3"):
+def good_row(content="Start at 1, apply +2 1 times mod 10.", truth="3"):
     return {"prompt": [{"role": "user", "content": content}], "data_source": "stepchain",
             "reward_model": {"ground_truth": truth, "style": "rule"}, "extra_info": {"num_steps": 1}}
 
 
 def test_each_bad_row_reason_is_skipped_counted_and_reported_once(tmp_path, tokenizer, caplog):
-    long_content = "Start at 1, apply " + "#1+2" * 80 + " mod 100."
+    long_content = "Start at 1, apply " + "+2 " * 80 + "mod 10."
     rows = [
         good_row(),
         {"data_source": "stepchain", "reward_model": {"ground_truth": "1"}},            # no prompt
@@ -50,7 +50,7 @@ def test_each_bad_row_reason_is_skipped_counted_and_reported_once(tmp_path, toke
         {"prompt": "   ", "data_source": "x", "reward_model": {"ground_truth": "1"}},   # empty
         {"prompt": [{"role": "user", "content": ""}], "data_source": "x", "reward_model": {"ground_truth": "1"}},
         good_row(long_content),                                                         # too long
-        good_row("Start at 2, apply #1*3 mod 100.", "6"),
+        good_row("Start at 2, apply *3 1 times mod 10.", "6"),
     ]
     raw = [b'{"prompt": "\xff\xfe bad utf-8", "data_source": "x"}', b"{not json"]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows, raw)

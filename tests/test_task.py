@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from rollpacker.examples import task
-from rollpacker.examples.tokenizer import save_tokenizer
+from rollpacker.examples.tokenizer import save_tokenizer, user_prompt
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,11 @@ def test_rows_follow_the_verl_schema_and_are_reproducible():
 
 
 def test_derivation_of_a_known_chain():
-    problem = task.Problem(start=7, operations=("+3", "*2", "-5", "*9", "-9"))
-    assert problem.prompt_text() == "Start at 7, apply #1+3#2*2#3-5#4*9#5-9 mod 20."
-    assert task.derivation(problem) == "#1:7+3=10\n#2:10*2=0\n#3:0-5=15\n#4:15*9=15\n#5:15-9=6\nAnswer: 6"
-    assert task.score_response(task.derivation(problem), "6") == (True, "ok")
-    assert task.apply_operation(3, "-5") == 18  # values stay in 0..MODULUS-1
+    problem = task.Problem(start=7, operation="+3", num_steps=4)
+    assert problem.prompt_text() == "Start at 7, apply +3 4 times mod 10."
+    assert task.derivation(problem) == "4:7+3=0\n3:0+3=3\n2:3+3=6\n1:6+3=9\nAnswer: 9"
+    assert task.score_response(task.derivation(problem), "9") == (True, "ok")
+    assert task.apply_operation(3, "-5") == 8 and task.apply_operation(7, "*6") == 2
 
 
 def test_step_counts_are_heavy_tailed():
@@ -48,32 +48,30 @@ def test_step_counts_are_heavy_tailed():
 
 
 @pytest.mark.parametrize("response, reason", [
-    ("#1:7+3=10\nAnswer: 10", "ok"),
-    ("Answer: 10\n", "ok"),
-    ("#1:7+3=11\nAnswer: 11", "wrong_answer"),
-    ("Answer: 010", "wrong_answer"),
-    ("#1:7+3=10", "no_answer"),
+    ("1:6+3=9\nAnswer: 9", "ok"),
+    ("Answer: 9\n", "ok"),
+    ("1:6+3=8\nAnswer: 8", "wrong_answer"),
+    ("Answer: 09", "wrong_answer"),
+    ("1:6+3=9", "no_answer"),
     ("", "no_answer"),
-    ("Answer: 10\n#2:10+1=11", "no_answer"),  # an answer that is not the last line does not count
-    ("Answer:10", "no_answer"),
-    ("The answer is 10", "no_answer"),
-    ("Answer: 10 or 11", "no_answer"),
+    ("Answer: 9\n1:9+1=0", "no_answer"),  # an answer that is not the last line does not count
+    ("Answer:9", "no_answer"),
+    ("The answer is 9", "no_answer"),
+    ("Answer: 9 or 8", "no_answer"),
 ])
 def test_scoring_is_strict(response, reason):
-    assert task.score_response(response, "10") == (reason == "ok", reason)
+    assert task.score_response(response, "9") == (reason == "ok", reason)
 
 
 def test_noisy_derivations_keep_the_chain_consistent():
-    rng = random.Random(0)
     problem = task.sample_problem(random.Random(1), num_steps=40)
-    noisy = task.derivation(problem, rng=rng, error_rate=0.5)
+    noisy = task.derivation(problem, rng=random.Random(0), error_rate=0.5)
     lines = noisy.splitlines()
     assert len(lines) == 41 and noisy != task.derivation(problem)
     previous = str(problem.start)
-    for line in lines[:-1]:  # each step starts from the value the previous step wrote
-        head, result = line.split("=")
-        assert head.split(":")[1].startswith(previous)
-        previous = result
+    for remaining, line in zip(range(40, 0, -1), lines):  # each step starts from the value written above
+        assert line.startswith(f"{remaining}:{previous}{problem.operation}=")
+        previous = line.split("=")[1]
     assert lines[-1] == f"Answer: {previous}"
 
 
@@ -86,6 +84,6 @@ def test_tokenizer_round_trip_and_fixed_costs(tokenizer):
     assert len(ids) == 7 * task.MAX_STEPS + 4  # 7 tokens a step, 4 for the answer line
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text()}],
                                            add_generation_prompt=True, tokenize=False)
-    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == user_prompt(problem.prompt_text())  # what the warm-up trains on
     assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= 128  # data.max_prompt_length
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"

@@ -101,7 +101,7 @@ def _parse(uid: int, where: str, row: Any) -> _Row:
     for key in ("prompt", "data_source"):
         if row.get(key) is None:
             raise BadRow(MISSING_FIELD, f"no {key!r}")
-    extra_info = row.get("extra_info") or {}
+    extra_info = {} if row.get("extra_info") is None else row["extra_info"]
     if not isinstance(extra_info, dict):
         raise BadRow(WRONG_TYPE, f"extra_info must be an object, got {type(extra_info).__name__}")
     reward_model = row.get("reward_model")

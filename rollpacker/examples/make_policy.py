@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rollpacker.examples import task
-from rollpacker.examples.tokenizer import IM_END, build_tokenizer, save_tokenizer
+from rollpacker.examples.tokenizer import IM_END, build_tokenizer, save_tokenizer, user_prompt
 
 TRAIN_PROMPTS_SEED = 1001
 EVAL_PROMPTS_SEED = 2002
@@ -58,8 +58,7 @@ def _demonstration(rng: random.Random, cfg: WarmupConfig) -> task.Problem:
 
 
 def _encode(tok, problem: task.Problem, response: str) -> tuple[list[int], int]:
-    prompt = (f"<|im_start|>user\n{problem.prompt_text()}{IM_END}\n<|im_start|>assistant\n")
-    prompt_ids = tok.encode(prompt).ids
+    prompt_ids = tok.encode(user_prompt(problem.prompt_text())).ids
     response_ids = tok.encode(response + IM_END).ids
     return prompt_ids + response_ids, len(prompt_ids)
 

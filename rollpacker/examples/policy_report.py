@@ -87,21 +87,20 @@ def report_from_lengths(lengths: list[list[int]], correct: list[list[bool]]) -> 
 
 
 def sample_responses(model, prompts: list[Prompt], *, n: int, eos_token_id: int, temperature: float = 1.0,
-                     max_new_tokens: int = 512, batch_tokens: int = 8192, seed: int = 0) -> list[list[list[int]]]:
+                     max_new_tokens: int = 512, prompts_per_batch: int = 16, seed: int = 0
+                     ) -> list[list[list[int]]]:
     """``n`` sampled responses (token ids, through the EOS) per prompt, with transformers ``generate``.
 
-    Prompts go in order of prompt length, which for the built-in task tracks
-    response length, so a static batch's rows finish at about the same time.
+    Static batches run until their longest row ends, so prompts go in order of
+    expected response length: ``extra_info["num_steps"]`` where the task
+    provides it (the built-in one does), else the prompt length.
     """
     torch.manual_seed(seed)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].input_ids))
+    order = sorted(range(len(prompts)),
+                   key=lambda i: prompts[i].extra_info.get("num_steps", len(prompts[i].input_ids)))
     out: list[list[list[int]]] = [[] for _ in prompts]
-    start = 0
-    while start < len(order):
-        width = len(prompts[order[start]].input_ids) + max_new_tokens
-        count = max(1, batch_tokens // (width * n))
-        batch = order[start : start + count]
-        start += count
+    for start in range(0, len(order), prompts_per_batch):
+        batch = order[start : start + prompts_per_batch]
         longest = max(len(prompts[i].input_ids) for i in batch)
         input_ids = torch.full((len(batch), longest), eos_token_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)

@@ -1,23 +1,27 @@
-"""The built-in verifiable task, "stepchain": a chain of modular arithmetic steps.
+"""The built-in verifiable task, "stepchain": a countdown of modular arithmetic steps.
 
-A prompt names a start value and a list of numbered operations, e.g.
+A prompt names a start value, an operation and how many times to apply it:
 
-    Start at 7, apply #1+3#2*2#3-5 mod 20.
+    Start at 7, apply +3 4 times mod 10.
 
-and the correct response derives the value one operation per line, then gives a
-strict final answer line:
+and the correct response derives the value one application per line, each line
+tagged with the number of applications still to do, then gives a strict final
+answer line:
 
-    #1:7+3=10
-    #2:10*2=0
-    #3:0-5=15
-    Answer: 15
+    4:7+3=0
+    3:0+3=3
+    2:3+3=6
+    1:6+3=9
+    Answer: 9
 
 Why this shape: tail batching only pays off when response lengths are
 long-tailed *and* set by the prompt.  Here the response length is a fixed
-function of the number of operations (7 tokens a step with the built-in
-tokenizer), and that number is drawn from a clipped log-normal, so most prompts
-take a few steps and a few take fifty.  Errors compound over steps, so long
-prompts are also the hard ones, as in real reasoning traces.
+function of the step count (7 tokens a step with the built-in tokenizer), and
+that count is drawn from a clipped log-normal, so most prompts take a few steps
+and a few take sixty.  Errors compound over steps, so long prompts are also the
+hard ones, as in real reasoning traces.  Every step only needs the line above
+it and the operation (the countdown tag says when to stop), so a policy of a
+few hundred thousand parameters learns it in minutes on a CPU.
 """
 from __future__ import annotations
 
@@ -27,11 +31,11 @@ import re
 from dataclasses import dataclass
 
 TASK_NAME = "stepchain"
-MODULUS = 20
-MAX_STEPS = 50
+MODULUS = 10
+MAX_STEPS = 64
 # Step counts are log-normal: median 3, sigma 1.2, clipped to 1..MAX_STEPS.  With
 # 7 tokens a step, 256 prompts give a median response of ~26 tokens and a
-# longest of ~300-350.
+# longest of ~300-450.
 MEDIAN_STEPS = 3.0
 SIGMA_STEPS = 1.2
 OPERATIONS: tuple[str, ...] = tuple(f"{sym}{d}" for sym in "+-" for d in range(1, 10)) + tuple(
@@ -44,26 +48,17 @@ _ANSWER_LINE = re.compile(r"Answer: (\d+)")
 @dataclass(frozen=True)
 class Problem:
     start: int
-    operations: tuple[str, ...]
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.operations)
+    operation: str
+    num_steps: int
 
     def prompt_text(self) -> str:
-        ops = "".join(f"#{i}{op}" for i, op in enumerate(self.operations, start=1))
-        return f"Start at {self.start}, apply {ops} mod {MODULUS}."
-
-    def values(self) -> list[int]:
-        """The running value after each operation."""
-        out, value = [], self.start
-        for op in self.operations:
-            value = apply_operation(value, op)
-            out.append(value)
-        return out
+        return f"Start at {self.start}, apply {self.operation} {self.num_steps} times mod {MODULUS}."
 
     def answer(self) -> int:
-        return self.values()[-1]
+        value = self.start
+        for _ in range(self.num_steps):
+            value = apply_operation(value, self.operation)
+        return value
 
 
 def apply_operation(value: int, op: str) -> int:
@@ -83,11 +78,11 @@ def derivation(problem: Problem, *, rng: random.Random | None = None, error_rate
     imperfect demonstrations the warm-up policy learns from.
     """
     lines, value = [], problem.start
-    for i, op in enumerate(problem.operations, start=1):
-        result = apply_operation(value, op)
+    for remaining in range(problem.num_steps, 0, -1):
+        result = apply_operation(value, problem.operation)
         if rng is not None and error_rate > 0 and rng.random() < error_rate:
             result = (result + rng.randrange(1, MODULUS)) % MODULUS
-        lines.append(f"#{i}:{value}{op}={result}")
+        lines.append(f"{remaining}:{value}{problem.operation}={result}")
         value = result
     lines.append(f"Answer: {value}")
     return "\n".join(lines)
@@ -102,7 +97,7 @@ def sample_problem(rng: random.Random, num_steps: int | None = None) -> Problem:
     n = sample_num_steps(rng) if num_steps is None else num_steps
     if not 1 <= n <= MAX_STEPS:
         raise ValueError(f"num_steps must be in 1..{MAX_STEPS}, got {n}")
-    return Problem(start=rng.randrange(MODULUS), operations=tuple(rng.choice(OPERATIONS) for _ in range(n)))
+    return Problem(start=rng.randrange(MODULUS), operation=rng.choice(OPERATIONS), num_steps=n)
 
 
 def to_row(problem: Problem, index: int) -> dict:

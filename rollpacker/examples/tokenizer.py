@@ -1,9 +1,8 @@
 """A tiny word-level HF tokenizer for the stepchain task.
 
-Every number 0..100, every operation ("+3", "*7"), every step tag ("#12"), the
-few words of the prompt, single punctuation and whitespace characters are one
-token each, so a derivation step is exactly 7 tokens and a prompt 2 tokens per
-operation plus a fixed header.  Decoding concatenates the token strings, so
+Every number 0..MAX_STEPS, every operation ("+3", "*7"), the few words of the
+prompt, single punctuation and whitespace characters are one token each, so a
+derivation step is exactly 7 tokens and every prompt the same length.  Decoding concatenates the token strings, so
 ``decode(encode(text)) == text`` for any text made of known pieces.
 
 Written as ``tokenizer.json`` + ``tokenizer_config.json`` (Qwen-style chat
@@ -24,11 +23,11 @@ IM_END = "<|im_end|>"
 UNK = "<|unk|>"
 SPECIAL_TOKENS = (IM_END, IM_START, UNK)  # <|im_end|> is id 0: EOS and padding
 
-WORDS = ("Start", "at", "apply", "mod", "Answer", "user", "assistant", "system")
-PUNCTUATION = (" ", "\n", ",", ".", ":", "=", "#", "+", "-", "*")
+WORDS = ("Start", "at", "apply", "times", "mod", "Answer", "user", "assistant", "system")
+PUNCTUATION = (" ", "\n", ",", ".", ":", "=", "+", "-", "*")
 
-# Longest alternatives first: a step tag or an operation before a bare number.
-_PIECE = r"#\d+|[+\-*]\d|\d+|[A-Za-z]+|\s|."
+# An operation before a bare number: "7+3" is "7", "+3".
+_PIECE = r"[+\-*]\d|\d+|[A-Za-z]+|\s|."
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -38,10 +37,14 @@ CHAT_TEMPLATE = (
 )
 
 
+def user_prompt(content: str) -> str:
+    """``CHAT_TEMPLATE`` applied to one user message with the generation prompt, without jinja."""
+    return f"{IM_START}user\n{content}{IM_END}\n{IM_START}assistant\n"
+
+
 def vocabulary() -> list[str]:
-    numbers = [str(i) for i in range(MODULUS + 1)]
-    tags = [f"#{i}" for i in range(1, MAX_STEPS + 1)]
-    return [*SPECIAL_TOKENS, *PUNCTUATION, *WORDS, *numbers, *OPERATIONS, *tags]
+    numbers = [str(i) for i in range(max(MAX_STEPS, MODULUS) + 1)]
+    return [*SPECIAL_TOKENS, *PUNCTUATION, *WORDS, *numbers, *OPERATIONS]
 
 
 def build_tokenizer() -> Tokenizer:
