@@ -23,7 +23,8 @@ def program(source: str) -> str:
 def pool():
     os.environ["RP_TEST_SECRET"] = SECRET  # the workers inherit it; sandboxed programs must not
     # spawn: the workers see the environment as it is now (a fork server may predate the secret)
-    cfg = RewardConfig(num_workers=2, code_t_min=1.0, code_t_max=T_MAX, worker_grace=2.0, start_method="spawn")
+    cfg = RewardConfig(num_workers=2, code_t_min=1.0, code_t_max=T_MAX, worker_grace=2.0, code_memory_mb=256,
+                       start_method="spawn")
     with RewardPool(cfg) as p:
         assert p.wait_ready(60)
         yield p
@@ -55,6 +56,7 @@ def hostile_programs(outside: str, port: int) -> dict[str, tuple[str, str]]:
         "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "sandbox_violation"),
         "env_secret": ("import os\nprint(os.environ.get('RP_TEST_SECRET', 'absent'))", "wrong_answer"),
         "parent_environ": ("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "sandbox_violation"),
+        "big_file": ("f = open('big.bin', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))", "sandbox_violation"),
         "crash": ("raise RuntimeError('boom')", "crash"),
     }
 
@@ -101,3 +103,17 @@ def test_program_may_use_its_own_directory_and_stdlib(pool):
     source = ("import collections, heapq, gc\ngc.disable()\nopen('scratch.txt', 'w').write(input())\n"
               "print(open('scratch.txt').read()[::-1])")
     assert pool.submit("code", program(source), [{"stdin": "abc\n", "stdout": "cba"}]).result(timeout=10).correct
+
+
+def test_killing_the_parent_through_a_pidfd_fails_and_the_pool_recovers(pool):
+    """pidfd_open raises no audit event, so this gets past the hook.  As root the program sits
+    in its own PID namespace and cannot reach the worker; as a plain user it may kill it, and
+    the pool replaces the worker and retries.  Either way: a crash score, a full pool."""
+    source = "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(int(input())), signal.SIGKILL)"
+    pid = pool.stats().worker_pids[0]
+    tests = [{"stdin": f"{pid}\n", "stdout": ""}]
+    scores = [pool.submit("code", program(source), tests).result(timeout=60) for _ in range(2)]
+    assert all((s.reason, s.reward) == ("crash", 0.0) for s in scores), scores
+    assert pool.wait_ready(60) and pool.stats().workers_alive == 2
+    if os.geteuid() == 0:
+        assert pid in pool.stats().worker_pids

@@ -252,9 +252,10 @@ class RewardPool:
                         self._fail(slot, TIMEOUT, f"worker exceeded the {slot.request.budget:.1f}s budget")
         except BaseException:  # noqa: BLE001 - a dispatcher bug must not leave futures hanging
             log.exception("reward dispatcher failed")
-            with self._submit_lock:
-                self._closing = True  # later submits raise instead of waiting forever
-            self._fail_pending("reward dispatcher failed; see the log")
+            self._closing = True  # later submits raise instead of waiting forever
+            self._fail_pending("reward dispatcher failed; see the log")  # also unblocks a submit stuck on a full queue
+            with self._submit_lock:  # that submit has now queued its request: fail it too
+                self._fail_pending("reward dispatcher failed; see the log")
             raise
         finally:
             for slot in self._slots:

@@ -4,8 +4,10 @@ The program runs in its own interpreter process, in its own session (so its
 whole process group is killed on timeout), in a fresh temporary working
 directory, with a minimal environment (no inherited secrets), CPU-time,
 address-space, file-size and process-count rlimits, a private network
-namespace when the kernel allows it, a parent-death signal, and, when we run
-as root and the sandbox uid can execute the interpreter, a dropped uid.
+namespace when the kernel allows it, and a parent-death signal.  When we run
+as root, it also either runs as an unprivileged uid (if that uid can execute
+the interpreter) or, staying root, as PID 1 of its own PID and mount namespace
+with its own /proc, where no host process can be seen, signalled or read.
 Inside, ``sandbox_boot`` adds a policy hook.  Output is read with a cap; a
 program that prints past it is killed.
 """
@@ -22,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from rollpacker.reward import sandbox_boot
 
@@ -32,6 +35,9 @@ _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
 _BOOT_SOURCE = Path(sandbox_boot.__file__).read_text()
 _READ_CHUNK = 1 << 16
+# util-linux: the program becomes PID 1 of a fresh PID namespace with its own /proc;
+# everything it starts dies with it, and --kill-child ties its life to the wrapper's.
+_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc")
 
 RUN_OK, RUN_TIMEOUT, RUN_VIOLATION, RUN_CRASH = "ok", "timeout", "violation", "crash"
 
@@ -43,6 +49,7 @@ class SandboxLimits:
     max_processes: int = 16
     output_limit_bytes: int = 1 << 20
     uid: int | None = None  # run as this uid (needs root); None keeps ours
+    pid_namespace: bool = False  # run as PID 1 of a private PID + mount namespace (needs root)
 
 
 @dataclass(frozen=True)
@@ -53,20 +60,26 @@ class RunResult:
     detail: str = ""
 
 
-def usable_uid(uid: int | None) -> int | None:
-    """``uid`` if we are root and that uid can start the interpreter, else None.
+def resolve_isolation(limits: SandboxLimits) -> SandboxLimits:
+    """What this host allows, probed once per worker rather than failing every sample.
 
     A dropped uid cannot read an interpreter installed under a private home
-    (e.g. /root/.pyenv), so probe once instead of failing every sample.
+    (e.g. /root/.pyenv); a program that stays root gets the namespaces instead.
     """
-    if uid is None or os.geteuid() != 0:
-        return None
+    if os.geteuid() != 0:
+        return replace(limits, uid=None, pid_namespace=False)
+    if limits.uid is not None and _starts(lambda: _drop_uid(limits.uid)):
+        return replace(limits, pid_namespace=False)
+    return replace(limits, uid=None, pid_namespace=_starts(None, _PID_NAMESPACE))
+
+
+def _starts(preexec_fn: Callable[[], None] | None, prefix: tuple[str, ...] = ()) -> bool:
     try:
-        subprocess.run([sys.executable, "-I", "-c", "pass"], env=_environment("/"),
-                       preexec_fn=lambda: _drop_uid(uid), capture_output=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return uid
+        subprocess.run([*prefix, sys.executable, "-I", "-c", "pass"], env=_environment("/"),
+                       preexec_fn=preexec_fn, capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
 
 
 def run_python(source: str, stdin: str, timeout: float, limits: SandboxLimits) -> RunResult:
@@ -80,8 +93,9 @@ def run_python(source: str, stdin: str, timeout: float, limits: SandboxLimits) -
                 os.chown(path, limits.uid, limits.uid)
         with open(stdin_path, "rb") as stdin_file:
             start = time.monotonic()
+            prefix = _PID_NAMESPACE if limits.pid_namespace else ()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT_SOURCE], stdin=stdin_file, stdout=subprocess.PIPE,
+                [*prefix, sys.executable, "-I", "-c", _BOOT_SOURCE], stdin=stdin_file, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd=workdir, env=_environment(workdir), start_new_session=True,
                 preexec_fn=lambda: _confine(limits, timeout), close_fds=True)
             try:
@@ -165,8 +179,6 @@ def _classify(returncode: int, stdout: bytes, stderr: bytes, cut: str, seconds: 
         return RunResult(RUN_VIOLATION, "", seconds, f"output exceeded {limits.output_limit_bytes} bytes")
     if returncode == sandbox_boot.VIOLATION_EXIT and sandbox_boot.VIOLATION_MARK in err:
         return RunResult(RUN_VIOLATION, "", seconds, err.rsplit(sandbox_boot.VIOLATION_MARK, 1)[1].strip())
-    if returncode == -signal.SIGXFSZ:
-        return RunResult(RUN_VIOLATION, "", seconds, f"file size limit of {limits.file_size_mb} MB exceeded")
     if returncode != 0:
         tail = err.strip().splitlines()[-1] if err.strip() else ""
         return RunResult(RUN_CRASH, "", seconds, f"exit status {returncode}: {tail}"[:500])

@@ -12,6 +12,7 @@ boundary that holds even against code that gets past the hook.
 The hook keeps its own references to the few functions it calls, bound as
 default arguments, so a program that rebinds ``os._exit`` cannot disarm it.
 """
+import errno
 import os
 import sys
 
@@ -33,13 +34,13 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _WRITABLE_DEVICES = ("/dev/null", "/dev/stdout", "/dev/stderr")
 
 
-def make_hook(workdir, own_pid, _exit=os._exit, _write=os.write, _realpath=os.path.realpath,
-              _fsdecode=os.fsdecode):
-    own_proc = f"/proc/{own_pid}"
+def violate(what, _exit=os._exit, _write=os.write):
+    _write(2, f"\n{VIOLATION_MARK} {what}\n".encode())
+    _exit(VIOLATION_EXIT)
 
-    def violate(what):
-        _write(2, f"\n{VIOLATION_MARK} {what}\n".encode())
-        _exit(VIOLATION_EXIT)
+
+def make_hook(workdir, own_pid, violate=violate, _realpath=os.path.realpath, _fsdecode=os.fsdecode):
+    own_proc = f"/proc/{own_pid}"
 
     def outside(path):
         real = _realpath(_fsdecode(path))
@@ -79,8 +80,11 @@ def main():
     try:
         exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
     except MemoryError:
-        os.write(2, f"\n{VIOLATION_MARK} memory limit exceeded\n".encode())
-        os._exit(VIOLATION_EXIT)
+        violate("memory limit exceeded")
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:  # Python ignores SIGXFSZ: the file-size rlimit surfaces here
+            raise
+        violate("file size limit exceeded")
 
 
 if __name__ == "__main__":

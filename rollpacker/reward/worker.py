@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rollpacker.reward.sandbox import SandboxLimits, usable_uid
+from rollpacker.reward.sandbox import SandboxLimits, resolve_isolation
 from rollpacker.reward.score import ERROR, Score
 from rollpacker.reward.scorers import CODE, MATH, STEPCHAIN
 
@@ -47,8 +47,7 @@ def worker_main(conn: Connection, settings: WorkerSettings) -> None:
     from rollpacker.reward.scorers.math_answer import score_math
 
     score_math("\\boxed{1}", "1", settings.math_timeout)  # sympy's first use is slow: pay it before READY
-    settings = dataclasses.replace(
-        settings, limits=dataclasses.replace(settings.limits, uid=usable_uid(settings.limits.uid)))
+    settings = dataclasses.replace(settings, limits=resolve_isolation(settings.limits))
     conn.send(READY)
     while True:
         try:
