@@ -169,6 +169,14 @@ def test_tensor_parallel_steps_match_single_rank(layout, model_dir, tmp_path):
     assert tp2[1]["kl"] > 0  # the second step sees the first update
 
 
-def test_layout_mismatch_is_refused(layout, model_dir):
+def test_bad_settings_are_refused(layout, model_dir):
     with pytest.raises(ValueError, match="trainer.tp/pp/cp"):
         make(layout, model_dir, tp=2)
+    with pytest.raises(ValueError, match="params_dtype=fp32"):
+        make(layout, model_dir, params_dtype="bf16")
+    trainer = make(layout, model_dir)
+    with pytest.raises(RuntimeError, match="begin"):
+        trainer.stream.consume(random_groups(0, num_groups=1))
+    trainer.stream.begin()
+    with pytest.raises(ValueError, match="has no reward"):
+        trainer.stream.consume([[s.replace(reward=None) for s in random_groups(0, num_groups=1)[0]]])

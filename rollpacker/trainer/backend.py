@@ -49,6 +49,8 @@ def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig
     logprobs = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size)
     with torch.no_grad():
         entropy = token_entropy(logits, tp_group, vocab_size=vocab_size)
+    # recompute: the behaviour policy is the current weights (one optimizer step per batch), so its
+    # log-probs are this forward's own, detached (old=None); a second forward would give the same numbers.
     old = None
     if cfg.old_logprobs == "engine":
         missing = (mb.loss_mask > 0) & torch.isnan(mb.rollout_logprobs)

@@ -37,6 +37,9 @@ class CpuBackend(Backend):
         if layout.pp > 1 or layout.cp > 1:
             raise ValueError(f"the CPU backend runs tensor and data parallelism only; got trainer.pp={layout.pp}, "
                              f"trainer.cp={layout.cp} (set both to 1 on CPU)")
+        if cfg.params_dtype != "fp32":
+            raise ValueError(f"trainer.params_dtype={cfg.params_dtype!r}: the CPU backend keeps no fp32 master "
+                             "weights, so it trains in fp32 only; set trainer.params_dtype=fp32")
         self.model, self.layout, self.cfg = model, layout, cfg
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
