@@ -32,6 +32,7 @@ class RunSection:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "rollpacker"
     threads_per_rank: int = 1  # CPU threads per rank (torch.set_num_threads)
+    verify_sync: bool = False  # after each weight sync, compare every engine shard with the trainer's tensors
 
     def validate(self) -> None:
         if self.steps < 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
@@ -55,6 +56,12 @@ class EngineSets:
     def push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Collective: load the trainer's current weights into the awake engine."""
         return self.sync.push(self.active, self.layout.is_leader, named_tensors)
+
+    def max_weight_diff(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> float:
+        """Collective: the largest |engine weight - trainer weight| over every rank's shards."""
+        diff = torch.tensor([self.active.max_weight_diff(named_tensors)], dtype=torch.float64)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        return float(diff.item())
 
     def shutdown(self) -> None:
         for engine in self.engines.values():

@@ -94,6 +94,8 @@ class Run:
         with self._timed("sync"):
             self.phases.to(Phase.SYNC)
             self.seconds.update(self.engines.push(self.trainer.iter_hf_tensors()))
+        if self.cfg.run.verify_sync:
+            self.seconds["sync/max_abs_diff"] = self.engines.max_weight_diff(self.trainer.iter_hf_tensors())
 
     def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
         self.phases.to(Phase.ROLLOUT)

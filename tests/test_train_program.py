@@ -1,0 +1,145 @@
+"""The real program: `torchrun -m rollpacker.train` on 2 CPU ranks with the shipped policy.
+
+One short tail-batching run is shared by the metric checks; the crash/resume
+test and the launch tests run their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollpacker.runtime.ledger import read_ledger
+from rollpacker.testing import REPO_ROOT, run_torchrun
+
+POLICY = REPO_ROOT / "assets" / "policy"
+pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
+
+# Small enough for a few minutes on 2 cores; a long round comes every 5th step (4 short + 1 long).
+FAST = ["scheduler.p0=4", "scheduler.r0=4", "rollout.max_response_length=384", "run.wandb=offline",
+        "reward.num_workers=1"]
+
+
+def _train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 900):
+    return run_torchrun(2, ["-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml",
+                            f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *FAST, *overrides],
+                        timeout=timeout, check=check)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tail_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "tail"
+    _train(run_dir, "run.steps=6", "run.save_every=3", "run.verify_sync=true")
+    return run_dir
+
+
+def test_every_batch_is_p0_by_r0_and_tp_regroups(tail_run):
+    rows = _metrics(tail_run)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        assert r["groups"] == 4 and r["group_sizes"] == [4] and r["responses_kept"] == 16
+    kinds = {r["round"] for r in rows}
+    assert kinds == {"short", "long"}, kinds
+    tp = {r["round"]: r["rollout_tp"] for r in rows}
+    assert tp["short"] == 1 and tp["long"] == 2  # two TP=1 engines, then one TP=2 engine over both ranks
+    short = [r for r in rows if r["round"] == "short"]
+    assert all(r["prompts_launched"] == 5 and r["responses_launched"] == 25 for r in short)  # ceil(1.25*4) x ceil(1.25*4)
+
+
+def test_engine_weights_equal_trainer_after_sync(tail_run):
+    for r in _metrics(tail_run):
+        assert r["sync/max_abs_diff"] == 0.0
+
+
+def test_step_metrics_are_complete(tail_run):
+    needed = {"rollout_s", "reward_s", "time/train_s", "time/sync_s", "bubble_fraction", "response_len_p50",
+              "response_len_p90", "response_len_p99", "response_len_max", "generated_tokens", "wasted_tokens",
+              "preemptions", "queue_length", "reward_mean", "accuracy", "train/loss", "train/grad_norm",
+              "train/entropy", "rollout_tp"}
+    for r in _metrics(tail_run):
+        assert needed <= r.keys(), needed - r.keys()
+    assert (tail_run / "timeline" / "step_000001.png").stat().st_size > 5000
+
+
+def test_wandb_offline_files_hold_the_step_metrics(tail_run):
+    files = list((tail_run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert files, "no offline W&B run"
+    from wandb.sdk.internal.datastore import DataStore
+    from wandb.proto import wandb_internal_pb2
+
+    ds = DataStore()
+    ds.open_for_scan(str(files[0]))
+    steps = set()
+    while (data := ds.scan_data()) is not None:
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key: i.value_json for i in rec.history.item}
+            if "rollout_s" in items:
+                steps.add(int(items["_step"]))
+    assert steps == set(range(1, 7))
+
+
+def test_bad_configs_fail_on_every_rank_before_work(tmp_path):
+    bad_data = tmp_path / "bad.jsonl"
+    bad_data.write_text('{"prompt": ""}\n{"nonsense": 1}\n')
+    cases = [
+        (["trainer.tp=4"], "does not divide the world size 2"),
+        ([f"model.path={tmp_path / 'no-model'}"], "has no config.json"),
+        ([f"data.train_files=[{bad_data}]"], str(bad_data)),
+    ]
+    for overrides, message in cases:
+        proc = _train(tmp_path / "bad", *overrides, check=False, timeout=300)
+        assert proc.returncode != 0
+        assert proc.stderr.count("rollpacker: cannot start:") == 1 and message in proc.stderr, proc.stderr[-3000:]
+        assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+
+
+def _launch_background(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml",
+           f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *FAST, *overrides]
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _worker_pids(launcher: subprocess.Popen) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
+    run_dir = tmp_path / "crash"
+    steps = ["run.steps=5", "run.save_every=2", "scheduler.mode=baseline"]
+    proc = _launch_background(run_dir, *steps)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists():
+        time.sleep(0.5)
+    time.sleep(2.0)  # into step 3
+    os.kill(_worker_pids(proc)[-1], signal.SIGKILL)
+    proc.wait(timeout=300)
+    assert proc.returncode != 0
+    _train(run_dir, *steps)  # same command: resumes from step 2
+    trained, filtered = read_ledger(run_dir / "ledger.jsonl")
+    assert max(trained.values()) == 1 and not filtered
+    assert len(trained) == 5 * 4
+    # baseline has no timing race: the resumed run's steps equal an uninterrupted run's
+    ref_dir = tmp_path / "reference"
+    _train(ref_dir, *steps)
+    resumed = {r["step"]: r for r in _metrics(run_dir)}
+    reference = {r["step"]: r for r in _metrics(ref_dir)}
+    assert sorted(resumed) == sorted(reference) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
+        for key in ("reward_mean", "response_len_max", "generated_tokens", "train/loss"):
+            assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
