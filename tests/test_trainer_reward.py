@@ -64,7 +64,7 @@ def _eval_reward(engine, prompts, tokenizer, seed: int, eos: int) -> float:
 
 
 def test_grpo_steps_raise_reward_beyond_seed_noise():
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from megatron_ext.parallel import setup_layout, teardown_layout
     from rollpacker.rollout.config import RolloutConfig
@@ -73,7 +73,9 @@ def test_grpo_steps_raise_reward_beyond_seed_noise():
     from rollpacker.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(POLICY)
+    # AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer and ignores the saved word-level
+    # pre-tokenizer (wrong ids); the class named in tokenizer_config.json loads it faithfully.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(POLICY)
     eos = tokenizer.eos_token_id
     engine = ReferenceEngine(POLICY, RolloutConfig(kv_cache_tokens=1 << 16, max_running_requests=512))
     eval_prompts = _prompts([DATA / "eval.jsonl"], tokenizer, EVAL_PROMPTS, seed=0)
