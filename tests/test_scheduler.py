@@ -220,6 +220,11 @@ def test_reward_after_rollout_mode():
     assert result.stats.reward_seconds == pytest.approx(0.5)
     assert all(s.scored_at == pytest.approx(result.stats.round_seconds) for s in result.samples)
     assert seen == result.groups
+    # every response finishes in the same poll: still exactly P0 groups, the rest deferred
+    h = Harness(p0=4, r0=2, async_reward=False, trace=[PromptLengths(str(i), (50,) * 3) for i in range(10)])
+    _, result = h.round()
+    assert_batch(result, 4, 2, h.aborted())
+    assert len(result.deferred) == 1 and result.stats.kept_prompts == 4
     with pytest.raises(ConfigError, match="async"):
         Harness("dynamic_sampling", async_reward=False)
 

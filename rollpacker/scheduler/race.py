@@ -62,7 +62,7 @@ class RoundRunner:
         start = self.clock.now()
         for prompt in self.plan.prompts:
             self._launch(prompt)
-        while len(self.kept) < self.plan.target_groups:
+        while not self._closed():
             if self.driver.outstanding:
                 for completion in self.driver.poll():
                     self._on_completion(completion)
@@ -94,7 +94,7 @@ class RoundRunner:
     def _on_completion(self, c: Completion) -> None:
         group, sample = self.by_request[c.request_id]
         group.open.discard(c.request_id)
-        if group.complete or c.finish_reason == FINISH_ABORT:
+        if group.complete or c.finish_reason == FINISH_ABORT or self._closed():
             return
         sample.response_ids = list(c.output_ids)
         sample.rollout_logprobs = list(c.logprobs)
@@ -110,7 +110,7 @@ class RoundRunner:
         for gi in sorted(self.scoring_groups):
             group = self.groups[gi]
             for rid, (sample, future) in list(group.scoring.items()):
-                if group.complete or len(self.kept) >= self.plan.target_groups:
+                if group.complete or self._closed():
                     break
                 if future.done():
                     del group.scoring[rid]
@@ -118,6 +118,10 @@ class RoundRunner:
                     self._ready(group, sample)
             if group.complete or not group.scoring:
                 self.scoring_groups.discard(gi)
+
+    def _closed(self) -> bool:
+        """P0 groups are kept: whatever else finishes in the same poll is too late."""
+        return len(self.kept) >= self.plan.target_groups
 
     def _ready(self, group: _Group, sample: Sample) -> None:
         group.ready.append(sample)
