@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +131,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, layout: ParallelLayo
         raise ValueError(f"{mcore_dir} was saved at tp={meta['tp']}, pp={meta['pp']}; "
                          f"convert it on that layout (torchrun --nproc_per_node {meta['tp'] * meta['pp']})")
     model = _build(mcore_dir, layout, DTYPES[meta["dtype"]])
-    state = torch.load(_shard_file(mcore_dir, layout), map_location=layout.device, weights_only=False)
+    state = torch.load(_shard_file(mcore_dir, layout), map_location=layout.device, weights_only=True)
     model.load_state_dict(state["model"])
     save_hf_checkpoint(model, layout, out_dir, hf_config=mcore_dir)
 
@@ -156,12 +157,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -172,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         tp, pp = meta["tp"], meta["pp"]
     else:
         pp = getattr(args, "pp", 1)
-        tp = args.tp or _world_size() // pp
+        tp = args.tp or int(os.environ.get("WORLD_SIZE", "1")) // pp
     layout = setup_layout(tp=tp, pp=pp)
     try:
         if args.command == "hf-to-mcore":

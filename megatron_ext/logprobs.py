@@ -7,7 +7,8 @@ no probability), with max / sum reductions over ``tp_group``. Results are
 identical on every TP rank and differentiable: the all-reduces use Megatron's
 autograd-aware ``reduce_from_tensor_model_parallel_region`` (identity in
 backward), so the loss built from them must be the same on every TP rank, as in
-Megatron's own cross entropy. Everything is computed in fp32.
+Megatron's own cross entropy, and every reduced value is used only in that
+replicated part. Everything is computed in fp32.
 """
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 
 
 @dataclass(frozen=True)
-class _Normalizer:
-    logits: torch.Tensor  # fp32 local shard, padding columns at the fp32 minimum
-    max: torch.Tensor  # global max over the vocabulary (no gradient: a shift only)
-    lse: torch.Tensor  # global log-sum-exp
+class _Softmax:
+    shifted: torch.Tensor  # fp32 local logits minus the global max; 0 on padding columns
+    exp: torch.Tensor  # exp(shifted); 0 on padding columns
+    sum_exp: torch.Tensor  # over the whole vocabulary (all TP ranks)
     vocab_start: int
 
 
-def _normalize(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> _Normalizer:
+def _softmax(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> _Softmax:
     local_vocab = logits.shape[-1]
     start = tp_group.rank() * local_vocab
     if not 0 < vocab_size <= local_vocab * tp_group.size():
@@ -34,14 +35,14 @@ def _normalize(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: in
                          f"x {tp_group.size()} TP ranks")
     z = logits.float()
     padding = torch.arange(start, start + local_vocab, device=z.device) >= vocab_size
-    if padding.any():
-        # The minimum (not -inf) keeps p * z at 0 for padding columns in the entropy.
-        z = z.masked_fill(padding, torch.finfo(z.dtype).min)
-    z_max = z.detach().amax(dim=-1)
+    # The max is only a shift for stability: no gradient flows through it.
+    z_max = z.detach().masked_fill(padding, float("-inf")).amax(dim=-1)
     if tp_group.size() > 1:
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-    sum_exp = reduce_from_tensor_model_parallel_region((z - z_max.unsqueeze(-1)).exp().sum(-1), tp_group)
-    return _Normalizer(z, z_max, z_max + sum_exp.log(), start)
+    # Zeros rather than -inf on padding columns keep 0 * inf (NaN) out of values and gradients.
+    shifted = (z - z_max.unsqueeze(-1)).masked_fill(padding, 0.0)
+    exp = shifted.exp().masked_fill(padding, 0.0)
+    return _Softmax(shifted, exp, reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), tp_group), start)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup, *,
@@ -52,17 +53,18 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.Pr
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    norm = _normalize(logits, tp_group, vocab_size)
-    local = labels - norm.vocab_start
+    sm = _softmax(logits, tp_group, vocab_size)
+    local = labels - sm.vocab_start
     here = (local >= 0) & (local < logits.shape[-1])
-    picked = norm.logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    label_logit = reduce_from_tensor_model_parallel_region(torch.where(here, picked, 0.0), tp_group)
-    return label_logit - norm.lse
+    picked = sm.shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    label_shifted = reduce_from_tensor_model_parallel_region(torch.where(here, picked, 0.0), tp_group)
+    return label_shifted - sm.sum_exp.log()
 
 
 def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup, *, vocab_size: int) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` over the real vocabulary; ``[..., V_local]`` -> ``[...]``."""
-    norm = _normalize(logits, tp_group, vocab_size)
-    probs = (norm.logits - norm.lse.unsqueeze(-1)).exp()
-    expected_logit = reduce_from_tensor_model_parallel_region((probs * norm.logits).sum(-1), tp_group)
-    return norm.lse - expected_logit
+    sm = _softmax(logits, tp_group, vocab_size)
+    # H = log S - sum(e * shifted) / S, with both sums reduced before they meet: a reduced value
+    # that fed back into per-rank terms would get only this rank's share of its gradient.
+    weighted = reduce_from_tensor_model_parallel_region((sm.exp * sm.shifted).sum(dim=-1), tp_group)
+    return sm.sum_exp.log() - weighted / sm.sum_exp

@@ -7,6 +7,7 @@ of reading globals. The rollout side has its own groups and never calls this.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class ParallelLayout:
     dp_group: dist.ProcessGroup  # replicas of the same model shard, excluding CP
     pg_collection: ProcessGroupCollection  # what GPTModel is built with
     device: torch.device
-    owns_default_group: bool  # setup_layout created the default group, teardown destroys it
+    owns_default_group: bool  # a world of one created by setup_layout: teardown destroys it
 
     @property
     def is_first_stage(self) -> bool:
@@ -51,16 +52,20 @@ class ParallelLayout:
 
 
 def _init_default_group() -> bool:
+    """Initialise the default group if needed; True if it is a world of one that teardown may destroy."""
     if dist.is_initialized():
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ:  # launched by torchrun
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    else:  # a plain single process: a world of one, no rendezvous needed
+    if "RANK" not in os.environ:  # a plain single process: a world of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return True
+        return True
+    # Under torchrun the default group cannot be re-created after destruction (the rendezvous
+    # store is single-use), so it lives until the process exits and later layouts reuse it.
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    return False
 
 
 def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234) -> ParallelLayout:
@@ -99,7 +104,7 @@ def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234) -> 
 
 
 def teardown_layout(layout: ParallelLayout) -> None:
-    """Destroy Megatron's groups (and the default group if setup_layout created it)."""
+    """Destroy Megatron's groups, and the default group if it is a world of one made by setup_layout."""
     parallel_state.destroy_model_parallel()
     if layout.owns_default_group:
         dist.destroy_process_group()

@@ -67,7 +67,7 @@ class Qwen2Spec:
                                  f"choose a TP size that divides it")
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of the HF checkpoint, in the stable order weight sync uses."""
+        """Every tensor of the HF checkpoint, in the order :func:`megatron_ext.weights.iter_hf_tensors` yields."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
@@ -75,9 +75,9 @@ class Qwen2Spec:
             p = f"model.layers.{i}."
             shapes.update({
                 p + "input_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,),
                 p + "self_attn.o_proj.weight": (h, q),
                 p + "post_attention_layernorm.weight": (h,),
                 p + "mlp.gate_proj.weight": (self.intermediate_size, h),

@@ -181,9 +181,9 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path) -> None:
     """
     model = unwrap(model)
     hf_dir = Path(hf_dir)
-    if parse_spec(hf_dir) != model.hf_spec:
-        raise ValueError(f"{hf_dir}/config.json describes {parse_spec(hf_dir)}, "
-                         f"but the model was built for {model.hf_spec}")
+    found = parse_spec(hf_dir)
+    if found != model.hf_spec:
+        raise ValueError(f"{hf_dir}/config.json describes {found}, but the model was built for {model.hf_spec}")
     tp_group = model.pg_collection.tp
     rank, tp = tp_group.rank(), tp_group.size()
     source = _SafetensorsDir(hf_dir)

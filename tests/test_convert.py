@@ -1,0 +1,81 @@
+"""HF <-> Megatron conversion: bit-identical round trips at TP=1/2 and PP=2, and the conversion CLI."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_ext.convert import main
+from megatron_ext.qwen2 import build_model, parse_spec
+from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
+from rollpacker.testing import run_torchrun
+from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
+
+
+def assert_same_checkpoint(expected_dir, actual_dir):
+    expected, actual = (load_file(str(d / "model.safetensors")) for d in (expected_dir, actual_dir))
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        got = actual[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got, tensor), f"{name} differs after the round trip"
+    assert json.loads((actual_dir / "config.json").read_text()) == json.loads((expected_dir / "config.json").read_text())
+    assert (actual_dir / "generation_config.json").is_file()  # non-weight files travel along
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_hf_megatron_hf_round_trip_is_bit_identical(ckpts, layout, tmp_path, kind):
+    model = build_model(ckpts[kind], pg_collection=layout.pg_collection)
+    load_hf_checkpoint(model, ckpts[kind])
+    save_hf_checkpoint(model, layout, tmp_path, ckpts[kind])
+    assert_same_checkpoint(ckpts[kind], tmp_path)
+
+
+def test_iter_hf_tensors_yields_every_tensor_once_in_the_documented_order(ckpts, layout):
+    model = build_model(ckpts["untied"], pg_collection=layout.pg_collection)
+    load_hf_checkpoint(model, ckpts["untied"])
+    yielded = [(name, tuple(t.shape)) for name, t in iter_hf_tensors(model, layout)]
+    assert yielded == list(parse_spec(ckpts["untied"]).hf_shapes().items())
+    # Exported tensors are copies: changing one must not touch the model.
+    name, norm = next((n, t) for n, t in iter_hf_tensors(model, layout) if n.endswith("input_layernorm.weight"))
+    norm.zero_()
+    assert model.decoder.layers[0].input_layernorm.weight.abs().sum() > 0
+
+
+def test_loading_a_checkpoint_of_another_architecture_is_refused(ckpts, layout):
+    model = build_model(ckpts["tied"], pg_collection=layout.pg_collection)
+    with pytest.raises(ValueError, match="config.json describes .* but the model was built for"):
+        load_hf_checkpoint(model, ckpts["untied"])
+
+
+def test_cli_mcore_round_trip(ckpts, tmp_path):
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["hf-to-mcore", str(ckpts["untied"]), str(mcore)]) == 0
+    assert json.loads((mcore / "mcore.json").read_text()) == {"format": 1, "tp": 1, "pp": 1, "dtype": "fp32"}
+    assert (mcore / "mp_rank_00_000" / "model.pt").is_file()
+    assert main(["mcore-to-hf", str(mcore), str(back)]) == 0
+    assert_same_checkpoint(ckpts["untied"], back)
+
+
+def test_cli_verify_fails_with_exit_code_1(ckpts, capsys):
+    # PASS is checked under torchrun below; no real difference is below a tolerance of 0.
+    assert main(["--verify", str(ckpts["tied"]), "--tol", "0"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAIL")
+
+
+def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path):
+    proc = run_torchrun(2, ["tests/dist/megatron_convert_checks.py", str(ckpts["tied"]), str(ckpts["untied"]),
+                            str(tmp_path)], timeout=400)
+    cli_line = next(line for line in proc.stdout.splitlines() if "max |dlogp|" in line)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    print(cli_line, result, sep="\n")
+    assert "tp=2" in cli_line and cli_line.rstrip().endswith("PASS") and result["cli_exit_code"] == 0
+    assert float(re.search(r"max \|dlogp\| = (\S+)", cli_line).group(1)) < 1e-4
+    assert result["logprob_diff"] < 1e-4 and result["entropy_diff"] < 1e-4
+    assert result["logprob_value"] < 1e-5 and result["entropy_value"] < 1e-5 and result["grad"] < 1e-6
+    for sizes in ("tp2", "pp2"):
+        for kind in ("tied", "untied"):
+            assert_same_checkpoint(ckpts[kind], tmp_path / f"{sizes}_{kind}")

@@ -1,0 +1,100 @@
+"""The Megatron Qwen2 model on CPU at TP=1: parity with transformers, log-probs, config refusals.
+
+TP=2 and PP=2 run under torchrun in tests/test_convert.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_ext import weights
+from megatron_ext.convert import verify
+from megatron_ext.parallel import setup_layout, teardown_layout
+from megatron_ext.qwen2 import build_model, parse_spec, transformer_config
+from tests.dist.megatron_convert_checks import logprob_grad_errors
+from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_logprob_parity_with_transformers(ckpts, layout, kind):
+    spec = parse_spec(ckpts[kind])
+    # The cases this parity is about: GQA, a vocabulary that needs padding, both embedding modes.
+    assert spec.num_kv_heads < spec.num_heads and spec.padded_vocab_size(1) > spec.vocab_size
+    assert spec.tie_word_embeddings == (kind == "tied")
+    parity = verify(ckpts[kind], layout)
+    print(f"TP=1 {kind}: max |dlogp| = {parity.logprob_diff:.3e}, max |dH| = {parity.entropy_diff:.3e}")
+    assert parity.logprob_diff < 1e-4 and parity.entropy_diff < 1e-4
+
+
+def test_parity_check_catches_a_wrong_qkv_layout(ckpts, layout, monkeypatch):
+    real_shard = weights._shard
+
+    def k_and_v_swapped(b, src, *args):
+        return real_shard(b, [src[0], src[2], src[1]] if b.kind is weights._Kind.QKV else src, *args)
+
+    monkeypatch.setattr(weights, "_shard", k_and_v_swapped)
+    assert verify(ckpts["untied"], layout).logprob_diff > 1e-2
+
+
+def test_bf16_parity_with_transformers_bf16(ckpts, layout):
+    parity = verify(ckpts["untied"], layout, params_dtype=torch.bfloat16)
+    print(f"TP=1 bf16: max |dlogp| = {parity.logprob_diff:.3e}")
+    assert parity.logprob_diff < 2e-2
+
+
+def test_tied_model_has_no_separate_output_weight(ckpts, layout):
+    tied = build_model(ckpts["tied"], pg_collection=layout.pg_collection)
+    untied = build_model(ckpts["untied"], pg_collection=layout.pg_collection)
+    assert tied.output_layer.weight is None and untied.output_layer.weight is not None
+    assert tied.embedding.word_embeddings.weight.shape == (256, 64)  # 250 padded to a multiple of 128
+
+
+def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout):
+    errors = logprob_grad_errors(layout)
+    assert errors["logprob_value"] < 1e-5 and errors["entropy_value"] < 1e-5 and errors["grad"] < 1e-6
+
+
+def test_model_init_is_reproducible_from_the_layout_seed(ckpts):
+    def first_weights(seed: int) -> torch.Tensor:
+        layout = setup_layout(seed=seed)
+        try:
+            model = build_model(ckpts["untied"], pg_collection=layout.pg_collection)
+            return model.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
+        finally:
+            teardown_layout(layout)
+
+    assert torch.equal(first_weights(7), first_weights(7))
+    assert not torch.equal(first_weights(7), first_weights(8))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "llama"}, "model_type='llama'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope type 'yarn'"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+])
+def test_unsupported_hf_configs_are_refused(ckpts, change, message):
+    cfg = json.loads((ckpts["untied"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=message):
+        parse_spec({**cfg, **change})
+
+
+@pytest.mark.parametrize("sizes, message", [
+    (dict(tp=3), "num_attention_heads=4 is not divisible by tensor-parallel size 3"),
+    (dict(tp=4), "num_key_value_heads=2 is not divisible by tensor-parallel size 4"),
+    (dict(pp=3), "num_hidden_layers=2 is not divisible by pipeline-parallel size 3"),
+])
+def test_impossible_layouts_are_refused(ckpts, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        transformer_config(parse_spec(ckpts["untied"]), **sizes)
+
+
+def test_published_qwen25_config_keys_are_understood(ckpts):
+    # transformers 4.x configs (the published Qwen2.5 checkpoints) carry rope_theta at the top level.
+    cfg = json.loads((ckpts["untied"] / "config.json").read_text())
+    del cfg["rope_parameters"]
+    spec = parse_spec({**cfg, "rope_theta": 1e6, "rope_scaling": None})
+    assert spec.rope_theta == 1e6 and spec.head_dim == 16
