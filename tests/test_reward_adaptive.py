@@ -27,7 +27,8 @@ def test_state_is_validated_on_load():
 
 
 def test_anchor_converges_to_the_slowest_correct_runtime_and_round_trips():
-    cfg = RewardConfig(num_workers=2, code_t_min=0.5, code_t_max=3.0)
+    # T_min (1 s) must cover a correct 0.3 s solution timed by an anchor the 0.1 s one set first
+    cfg = RewardConfig(num_workers=2, code_t_min=1.0, code_t_max=3.0)
     runtimes = [0.1, 0.6, 0.3]  # seconds each correct solution sleeps per case
     with RewardPool(cfg) as pool:
         # a slow wrong answer says nothing about how long a correct solution needs
@@ -39,7 +40,7 @@ def test_anchor_converges_to_the_slowest_correct_runtime_and_round_trips():
         for anchor in anchors:  # the runtime includes interpreter start-up, hence the slack
             assert max(runtimes) <= anchor < max(runtimes) + 1.0, anchors
         timeouts = pool.code_timeouts.timeouts("prompt-7", 2)
-        assert timeouts == tuple(min(max(0.5, 1.5 * a), 3.0) for a in anchors)
+        assert timeouts == tuple(min(max(1.0, 1.5 * a), 3.0) for a in anchors)
         # the tightened timeout now cuts a 2.5 s program that T_max would have let finish
         late = pool.submit("code", SLEEP_THEN_ECHO.format(seconds=2.5), CASES, key="prompt-7").result(timeout=60)
         assert late.reason == "timeout" and late.seconds < 2.5
@@ -50,3 +51,16 @@ def test_anchor_converges_to_the_slowest_correct_runtime_and_round_trips():
         restored.load_state_dict(state)
         assert restored.code_timeouts.timeouts("prompt-7", 2) == timeouts
         assert restored.state_dict() == state
+
+
+def test_timeouts_are_set_when_a_sample_reaches_a_worker_not_when_it_is_submitted():
+    """A looping sample queued behind a correct one of the same prompt gets the learned timeout."""
+    cfg = RewardConfig(num_workers=1, code_t_min=0.5, code_t_max=3.0)
+    loop = "```python\nwhile True:\n    pass\n```"
+    with RewardPool(cfg) as pool:
+        correct = pool.submit("code", SLEEP_THEN_ECHO.format(seconds=0.1), CASES, key="p")
+        looping = pool.submit("code", loop, CASES, key="p")  # submitted before any anchor exists
+        assert correct.result(timeout=60).correct
+        score = looping.result(timeout=60)
+    expected = pool.code_timeouts.timeouts("p", 2)[0]
+    assert score.reason == "timeout" and expected < 3.0 and score.seconds < 3.0

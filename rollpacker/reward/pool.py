@@ -167,11 +167,9 @@ class RewardPool:
         if not isinstance(response, str):
             raise ValueError(f"response must be a str, got {type(response).__name__}")
         grace = self._cfg.worker_grace
-        if scorer == CODE:
-            cases = parse_tests(label)
+        if scorer == CODE:  # its timeouts are set at dispatch, from the anchors known by then
             prompt_key = key if key is not None else _content_key(label)
-            timeouts = self._timeouts.timeouts(prompt_key, len(cases))
-            return _Request(Job(CODE, response, cases, timeouts), Future(), sum(timeouts) + grace, prompt_key)
+            return _Request(Job(CODE, response, parse_tests(label)), Future(), grace, prompt_key)
         if not isinstance(label, (str, int, float)) or isinstance(label, bool):
             raise ValueError(f"{scorer} ground truth must be a string, got {type(label).__name__} {label!r:.80}")
         # math-verify may spend its timeout on each of: gold parse, response parse, verify
@@ -272,6 +270,10 @@ class RewardPool:
                 request = self._next_request()
                 if request is None:
                     return
+                if request.prompt_key is not None:
+                    timeouts = self._timeouts.timeouts(request.prompt_key, len(request.job.label))
+                    request.job = dataclasses.replace(request.job, timeouts=timeouts)
+                    request.budget = sum(timeouts) + self._cfg.worker_grace
                 slot.job_id += 1
                 slot.request, slot.started_at = request, time.monotonic()
                 slot.deadline = slot.started_at + request.budget
