@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_ext import weights
 from megatron_ext.convert import main
 from megatron_ext.qwen2 import build_model, parse_spec
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
@@ -32,6 +33,34 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(ckpts, layout, tmp_path, kin
     load_hf_checkpoint(model, ckpts[kind])
     save_hf_checkpoint(model, layout, tmp_path, ckpts[kind])
     assert_same_checkpoint(ckpts[kind], tmp_path)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_sharding_is_inverted_by_gathering_at_any_tp(ckpts, tp):
+    # 8 heads in 4 KV groups: at TP=4 each rank holds one group of two query heads.
+    cfg = {**json.loads((ckpts["untied"] / "config.json").read_text()),
+           "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}
+    spec = parse_spec(cfg)
+    shapes = spec.hf_shapes()
+    full = {name: torch.randn(shape) for name, shape in shapes.items() if name.startswith(("model.layers.0.", "lm_head"))}
+    groups = [("lm_head.weight",), ("model.layers.0.self_attn.o_proj.weight",),
+              tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),
+              tuple(f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"),
+              ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")]
+    kinds = [weights._Kind.VOCAB, weights._Kind.ROW, weights._Kind.QKV, weights._Kind.QKV, weights._Kind.FC1]
+    for names, kind in zip(groups, kinds):
+        rows = {weights._Kind.VOCAB: spec.padded_vocab_size(tp) // tp,
+                weights._Kind.ROW: shapes[names[0]][0],
+                weights._Kind.QKV: sum(shapes[n][0] for n in names) // tp,
+                weights._Kind.FC1: 2 * shapes[names[0]][0] // tp}[kind]
+        trailing = shapes[names[0]][1:]
+        if kind is weights._Kind.ROW:
+            trailing = (trailing[0] // tp,)
+        binding = weights._Binding(torch.empty(rows, *trailing), kind, names)
+        shards = [weights._shard(binding, [full[n] for n in names], spec, r, tp) for r in range(tp)]
+        assert all(s.shape == binding.param.shape for s in shards), names
+        for name, tensor in zip(names, weights._unshard(binding, shards, spec)):
+            assert torch.equal(tensor, full[name]), (name, tp)
 
 
 def test_iter_hf_tensors_yields_every_tensor_once_in_the_documented_order(ckpts, layout):
