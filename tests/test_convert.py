@@ -108,3 +108,8 @@ def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path):
     for sizes in ("tp2", "pp2"):
         for kind in ("tied", "untied"):
             assert_same_checkpoint(ckpts[kind], tmp_path / f"{sizes}_{kind}")
+    # Tied embeddings under PP: the last stage holds its own output copy, loaded from the HF embedding.
+    last_stage = torch.load(tmp_path / "mcore_pp2_tied" / "mp_rank_00_001" / "model.pt", weights_only=True)["model"]
+    embedding = load_file(str(ckpts["tied"] / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(last_stage["output_layer.weight"][:250], embedding)
+    assert not last_stage["output_layer.weight"][250:].any()
