@@ -7,14 +7,16 @@ import statistics
 import pytest
 
 from rollpacker.examples import task
-from rollpacker.examples.tokenizer import save_tokenizer, user_prompt
+from rollpacker.examples.tokenizer import build_tokenizer, save_tokenizer, user_prompt
+from rollpacker.testing import make_random_qwen2
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
+    """Loaded next to a qwen2 config.json, as the shipped policy is: transformers then builds Qwen2Tokenizer."""
     from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("tok")
+    path = make_random_qwen2(tmp_path_factory.mktemp("policy"), vocab_size=len(build_tokenizer().get_vocab()))
     save_tokenizer(path)
     return AutoTokenizer.from_pretrained(path)
 
@@ -79,9 +81,11 @@ def test_tokenizer_round_trip_and_fixed_costs(tokenizer):
     problem = task.sample_problem(random.Random(3), num_steps=task.MAX_STEPS)
     response = task.derivation(problem)
     ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    assert tokenizer.unk_token_id not in ids
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+    assert ids == build_tokenizer().encode(response).ids  # what the warm-up trained on
     assert tokenizer.decode(ids) == response
-    assert len(ids) == 7 * task.MAX_STEPS + 4  # 7 tokens a step, 4 for the answer line
+    # one token a digit and a symbol: "12:7+3=0\n" is 9; the answer line 4
+    assert len(ids) == sum(len(str(r)) + 7 for r in range(1, task.MAX_STEPS + 1)) + 4
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt_text()}],
                                            add_generation_prompt=True, tokenize=False)
     assert prompt == user_prompt(problem.prompt_text())  # what the warm-up trains on

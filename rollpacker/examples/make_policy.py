@@ -45,7 +45,7 @@ class WarmupConfig:
     lr: float = 3e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
-    step_error_rate: float = 0.06  # per-step corruption of the demonstrations
+    step_error_rate: float = 0.05  # per-step corruption of the demonstrations
     uniform_fraction: float = 0.3  # share of examples with uniform (not log-normal) step counts
     threads: int = 1
 

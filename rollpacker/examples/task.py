@@ -16,10 +16,10 @@ answer line:
 
 Why this shape: tail batching only pays off when response lengths are
 long-tailed *and* set by the prompt.  Here the response length is a fixed
-function of the step count (7 tokens a step with the built-in tokenizer), and
-that count is drawn from a clipped log-normal, so most prompts take a few steps
-and a few take sixty.  Errors compound over steps, so long prompts are also the
-hard ones, as in real reasoning traces.  Every step only needs the line above
+function of the step count (8-9 tokens a step with the built-in Qwen2-style
+tokenizer), and that count is drawn from a clipped log-normal, so most prompts
+take a few steps and a few take fifty.  Errors compound over steps, so long
+prompts are also the hard ones, as in real reasoning traces.  Every step only needs the line above
 it and the operation (the countdown tag says when to stop), so a policy of a
 few hundred thousand parameters learns it in minutes on a CPU.
 """
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 TASK_NAME = "stepchain"
 MODULUS = 10
-MAX_STEPS = 64
+MAX_STEPS = 50
 # Step counts are log-normal: median 3, sigma 1.2, clipped to 1..MAX_STEPS.  With
-# 7 tokens a step, 256 prompts give a median response of ~26 tokens and a
-# longest of ~300-450.
+# 8-9 tokens a step, 256 prompts give a median response of ~29 tokens and a
+# longest of ~350-445.
 MEDIAN_STEPS = 3.0
 SIGMA_STEPS = 1.2
 OPERATIONS: tuple[str, ...] = tuple(f"{sym}{d}" for sym in "+-" for d in range(1, 10)) + tuple(
