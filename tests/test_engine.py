@@ -1,6 +1,8 @@
 """Reference rollout engine: parity with transformers, sampling, abort, preemption, refusals, memory."""
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,7 @@ def model_dir(request, random_dir) -> Path:
     return random_dir if request.param == "random" else POLICY
 
 
+@functools.lru_cache(maxsize=4)
 def _hf(model_dir: Path):
     from transformers import Qwen2ForCausalLM
     return Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -64,13 +67,17 @@ def _engine(model_dir, **cfg) -> ReferenceEngine:
 
 def test_greedy_matches_transformers_generate(model_dir):
     hf = _hf(model_dir)
+    eos = hf.generation_config.eos_token_id
+    stops = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     prompts = _prompts(hf.config.vocab_size)
-    got = _run(_engine(model_dir), _greedy(prompts))
+    got = _run(_engine(model_dir), _greedy(prompts, stop_token_ids=stops))
     for i, p in enumerate(prompts):  # one HF call per prompt: no padding effects on the reference side
         ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert got[f"r{i}"].output_ids == ref[0, len(p):].tolist(), f"prompt {i} (length {len(p)})"
-        assert got[f"r{i}"].finish_reason == "length"
+                          max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        end = next((j + 1 for j, t in enumerate(ref) if t in stops), len(ref))  # HF pads after its EOS
+        c = got[f"r{i}"]
+        assert c.output_ids == ref[:end], f"prompt {i} (length {len(p)})"
+        assert c.finish_reason == ("stop" if end < len(ref) or ref[-1] in stops else "length")
 
 
 def _transformers_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -108,6 +115,9 @@ def test_seeded_sampling_is_independent_of_batch_composition(random_dir):
         for i, p in enumerate(prompts[1:])]
     together = _run(_engine(random_dir), crowd)
     assert together["x"].output_ids == alone.output_ids
+    plain = SamplingParams(temperature=0.7, max_new_tokens=9, seed=1)  # no cuts, among rows with cuts
+    plain_alone = _run(_engine(random_dir), [GenerationRequest("o1", prompts[2], plain)])["o1"]
+    assert together["o1"].output_ids == plain_alone.output_ids
     other_seed = _run(_engine(random_dir), [GenerationRequest("x", prompts[0], SamplingParams(
         temperature=1.0, top_k=50, top_p=0.95, max_new_tokens=16, seed=124))])["x"]
     assert other_seed.output_ids != alone.output_ids
@@ -219,10 +229,33 @@ def test_tied_embeddings_load_from_config_and_state(tmp_path):
     tied = make_random_qwen2(tmp_path, tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)
     hf = _hf(tied)
     state = dict(iter_safetensors(tied))
-    import json
     config = json.loads((tied / "config.json").read_text())
     engine = ReferenceEngine((config, state), RolloutConfig(kv_page_size=4))
     prompt = _prompts(250, lengths=(9,))[0]
     got = _run(engine, _greedy([prompt]))["r0"]
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert got.output_ids == ref[0, len(prompt):].tolist()
+
+
+def test_sampler_draws_from_the_cut_distribution():
+    from rollpacker.rollout.sampling import sample
+    n, logits = 20000, torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    rows = logits.expand(n, -1)
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(0))
+
+    def freq(temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+        tokens, logprobs = sample(rows, torch.full((n,), temperature), torch.full((n,), top_p),
+                                  torch.full((n,), top_k), uniforms)
+        assert torch.allclose(logprobs, torch.log_softmax(logits, -1)[0][tokens])  # temperature-1 log-probs
+        return torch.bincount(tokens, minlength=6).float() / n
+
+    def expected(temperature: float, keep: list[int]) -> torch.Tensor:
+        p = torch.zeros(6)
+        p[keep] = torch.softmax(logits[0, keep] / temperature, -1)
+        return p
+
+    assert torch.allclose(freq(0.5, 1.0, -1), expected(0.5, list(range(6))), atol=0.01)
+    assert torch.allclose(freq(1.0, 1.0, 2), expected(1.0, [5, 0]), atol=0.01)
+    # at T=1 the two largest probabilities are .60 and .22: top_p=0.7 keeps exactly these two
+    assert torch.allclose(freq(1.0, 0.7, -1), expected(1.0, [5, 0]), atol=0.01)
+    assert torch.allclose(freq(1.0, 0.95, 3), expected(1.0, [5, 0, 1]), atol=0.01)

@@ -114,6 +114,11 @@ class PagedKV:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
 
+    @staticmethod
+    def gather(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Rows of ``pool`` [pages, ...] at ``pages``: an embedding lookup, the fastest gather on CPU."""
+        return F.embedding(pages, pool.view(pool.shape[0], -1))
+
 
 class Qwen2TP:
     """One tensor-parallel shard of a Qwen2 model (the whole model when ``tp_size == 1``)."""
@@ -271,8 +276,8 @@ class Qwen2TP:
             else:  # decode: store the one new token, attend over the row's pages
                 kv.k[i, pages, offsets] = k[:, 0]
                 kv.v[i, pages, offsets] = v[:, 0]
-                keys = kv.k[i].index_select(0, table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
-                values = kv.v[i].index_select(0, table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
+                keys = kv.gather(kv.k[i], table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
+                values = kv.gather(kv.v[i], table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=key_mask,
                                                       enable_gqa=True)
             x = x + self._reduce(F.linear(attn.transpose(1, 2).reshape(bsz, t, q_size), p[f"{i}.o"]))
