@@ -1,6 +1,6 @@
 """Reference engine vs transformers static-batch ``generate``: tokens/s, same model, prompts, machine, run.
 
-    python bench/bench_engine.py [--model HF_DIR] [--threads 1]
+    python bench/bench_engine.py [--model HF_DIR | random] [--threads 1]
 
 Two workloads, greedy on both sides:
 - uniform: BATCH requests, every one generating exactly ``--uniform-len`` tokens (one static batch);
@@ -74,7 +74,8 @@ def _engine_tokens_per_s(model_dir: Path, w: Workload, batch: int) -> tuple[floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="HF Qwen2 dir (default: assets/policy if present, else random)")
+    p.add_argument("--model", default=None,
+                   help="HF Qwen2 dir, or 'random' (default: assets/policy if present, else random)")
     p.add_argument("--data", default=str(REPO_ROOT / "assets" / "data" / "train.jsonl"),
                    help="task prompts for the long-tailed run with a policy")
     p.add_argument("--batch", type=int, default=64)
@@ -87,8 +88,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     policy = Path(args.model) if args.model else REPO_ROOT / "assets" / "policy"
+    if args.model not in (None, "random") and not (policy / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there")
     tmp = None
-    if (policy / "config.json").is_file():
+    if args.model != "random" and (policy / "config.json").is_file():
         model_dir, source = policy, f"{policy} (tail lengths from the model's EOS)"
         eos = json.loads((policy / "config.json").read_text()).get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos

@@ -104,13 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     if world != args.tp:
         raise SystemExit(f"--tp {args.tp} needs exactly {args.tp} ranks (torchrun --nproc_per_node {args.tp}); "
                          f"this run has {world}")
+    device = args.device
+    if device == "cuda" and args.backend == "reference":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)  # NCCL collectives of the TP group run on this rank's GPU
     group = None
     if world > 1:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         group = dist.new_group(list(range(world)))
-    device = args.device
-    if device == "cuda" and args.backend == "reference":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     cfg = RolloutConfig(backend=args.backend, tp=args.tp, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed)
     engine = make_engine(cfg, model_dir, group=group, device=device)
     if not engine.is_leader:
