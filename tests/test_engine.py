@@ -259,3 +259,15 @@ def test_sampler_draws_from_the_cut_distribution():
     # at T=1 the two largest probabilities are .60 and .22: top_p=0.7 keeps exactly these two
     assert torch.allclose(freq(1.0, 0.7, -1), expected(1.0, [5, 0]), atol=0.01)
     assert torch.allclose(freq(1.0, 0.95, 3), expected(1.0, [5, 0, 1]), atol=0.01)
+
+
+def test_running_cap_and_prefill_chunks_do_not_change_outputs(random_dir):
+    prompts = _prompts(250, seed=8)
+    free = _run(_engine(random_dir), _greedy(prompts))
+    capped = _engine(random_dir, max_running_requests=2, max_prefill_tokens=20)
+    capped.submit(_greedy(prompts))
+    got: dict[str, Completion] = {}
+    while capped.active_request_ids():
+        got.update((c.request_id, c) for c in capped.poll(0.0))
+        assert capped.stats().running <= 2
+    assert {k: c.output_ids for k, c in got.items()} == {k: c.output_ids for k, c in free.items()}

@@ -179,7 +179,10 @@ class SGLangEngine(RolloutEngine):
                  engine_id: int = 0, device: str = "cuda", engine_cls: Callable | None = None):
         cfg.validate()
         self.cfg, self.engine_id = cfg, engine_id
-        ranks = [0] if group is None else dist.get_process_group_ranks(group)
+        if group is None:
+            ranks = [dist.get_rank() if dist.is_initialized() else 0]
+        else:
+            ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(ranks[0], ranks[0] + len(ranks))):
             raise ValueError(f"engine {engine_id}: an SGLang TP group must be consecutive ranks on one node "
                              f"(its GPUs are base_gpu_id..base_gpu_id+tp-1), got ranks {ranks}")
