@@ -96,11 +96,11 @@ def synthetic_round(num_prompts: int, responses: int, seed: int) -> LongRound:
 def policy_round(policy: Path, num_prompts: int, responses: int, seed: int) -> LongRound:
     """The shipped policy on the task's training prompts: the longest-chain prompts of a random pool
     (a long round's), sampled until EOS or 512 tokens, scored by the task's checker."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     from rollpacker.data.dataset import PromptDataset
 
-    tok = PreTrainedTokenizerFast.from_pretrained(policy)  # AutoTokenizer would pick Qwen2Tokenizer
+    tok = AutoTokenizer.from_pretrained(policy)
     data = PromptDataset([str(REPO / "assets" / "data" / "train.jsonl")], tok, max_prompt_length=256, seed=seed)
     pool = data.take(8 * num_prompts)
     prompts = sorted(pool, key=lambda p: -p.extra_info["num_steps"])[:num_prompts]
