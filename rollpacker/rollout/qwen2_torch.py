@@ -101,23 +101,37 @@ class ForwardPlan:
 
 
 class PagedKV:
-    """K and V pools of shape [layers, pages, page size, local KV heads, head dim].
+    """K and V pools of shape [layers, local KV heads, pages, page size, head dim].
 
-    Token-major pages make a row's gathered pages one contiguous [tokens, heads, dim]
-    block, so decode needs a single ``index_select`` and no permute copy.
+    Head-major pages make the gathered keys of a decode step one contiguous
+    [rows, heads, tokens, dim] tensor, the layout attention reads, from a single
+    embedding lookup (the fastest gather on CPU) per pool and layer.
     """
 
     def __init__(self, layers: int, pages: int, kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (layers, pages, page_size, kv_heads, head_dim)
+        shape = (layers, kv_heads, pages, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_size = page_size
+        self.pages, self.page_size, self.kv_heads = pages, page_size, kv_heads
 
-    @staticmethod
-    def gather(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """Rows of ``pool`` [pages, ...] at ``pages``: an embedding lookup, the fastest gather on CPU."""
-        return F.embedding(pages, pool.view(pool.shape[0], -1))
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store tokens ``k``, ``v`` [N, heads, dim] at (``pages``, ``offsets``) [N]."""
+        self.k[layer][:, pages, offsets] = k.transpose(0, 1)
+        self.v[layer][:, pages, offsets] = v.transpose(0, 1)
+
+    def lookup_index(self, block_table: torch.Tensor) -> torch.Tensor:
+        """Rows of the [heads * pages, page * dim] view that hold each row's pages, per head."""
+        heads = torch.arange(self.kv_heads, device=block_table.device) * self.pages
+        return heads.view(1, -1, 1) + block_table.unsqueeze(1)  # [B, heads, pages per row]
+
+    def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, heads, pages per row * page, dim] of the rows in ``index``."""
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            rows = F.embedding(index, pool.view(self.kv_heads * self.pages, -1))
+            return rows.view(index.shape[0], self.kv_heads, -1, pool.shape[-1])
+        return gather(self.k[layer]), gather(self.v[layer])
 
 
 class Qwen2TP:
@@ -253,10 +267,9 @@ class Qwen2TP:
         else:
             positions = (lengths - 1).unsqueeze(1)
             valid = None
-            table = plan.block_table.to(self.device)
-            key_mask = (torch.arange(table.shape[1] * kv.page_size, device=self.device)
+            index = kv.lookup_index(plan.block_table.to(self.device))
+            key_mask = (torch.arange(index.shape[2] * kv.page_size, device=self.device)
                         < lengths.unsqueeze(1)).view(bsz, 1, 1, -1)
-            table = table.flatten()
         pages, offsets = plan.write_pages.to(self.device), plan.write_offsets.to(self.device)
         cos, sin = self._rope(positions)
         q_size, kv_size = self.heads * d, self.kv_heads * d
@@ -269,15 +282,12 @@ class Qwen2TP:
             k = self._rotate(k.view(bsz, t, self.kv_heads, d), cos, sin)
             v = v.view(bsz, t, self.kv_heads, d)
             if valid is not None:  # prefill: attend within the new tokens, store them
-                kv.k[i, pages, offsets] = k[valid]
-                kv.v[i, pages, offsets] = v[valid]
+                kv.write(i, pages, offsets, k[valid], v[valid])
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True, enable_gqa=True)
             else:  # decode: store the one new token, attend over the row's pages
-                kv.k[i, pages, offsets] = k[:, 0]
-                kv.v[i, pages, offsets] = v[:, 0]
-                keys = kv.gather(kv.k[i], table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
-                values = kv.gather(kv.v[i], table).view(bsz, -1, self.kv_heads, d).transpose(1, 2)
+                kv.write(i, pages, offsets, k[:, 0], v[:, 0])
+                keys, values = kv.read(i, index)
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=key_mask,
                                                       enable_gqa=True)
             x = x + self._reduce(F.linear(attn.transpose(1, 2).reshape(bsz, t, q_size), p[f"{i}.o"]))
