@@ -17,3 +17,4 @@ def test_tp2_matches_tp1_and_updates_weights_in_place(tmp_path):
     assert r["tp2_after_resume"] == r["tp1"]
     assert r["tp2_updated"] == r["tp1_fresh_new"]
     assert r["tp2_updated"] != r["tp1"]
+    assert r["max_weight_diff_new"] == 0.0 and r["max_weight_diff_old"] > 0.0

@@ -90,8 +90,16 @@ class EngineStats:
 class RolloutEngine(abc.ABC):
     """One rollout engine (possibly spanning a tensor-parallel group of ranks).
 
-    Methods are called on the engine's leader; followers of a TP group are
-    driven by the backend itself.
+    Two kinds of calls, so that an SPMD program never deadlocks an engine
+    against its own collectives:
+
+    - the request plane (``submit``, ``poll``, ``abort``, ``stats``) is called
+      on the group's leader only; while the leader serves, the other ranks of
+      the group sit in ``serve_follower()`` mirroring its forwards, until the
+      leader calls ``stop_followers()`` (or ``shutdown()``);
+    - the control plane (``update_weights``, ``release_memory``,
+      ``resume_memory``, ``max_weight_diff``) is called by every rank of the
+      group together, each with the same full tensors or tags.
     """
 
     engine_id: int = 0
@@ -121,15 +129,26 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full (unsharded) tensors by HF name in place, without restart."""
+        """Every rank of the group: load full (unsharded) tensors by HF name in place, without restart."""
+
+    def max_weight_diff(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Every rank: the largest |this rank's weights - the given full tensors| (a sync check)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read back its weights")
+
+    def serve_follower(self) -> str:
+        """Non-leader ranks: mirror the leader's forwards until it stops them; returns why."""
+        return "stop"
+
+    def stop_followers(self) -> None:
+        """Leader: end the followers' ``serve_follower`` loop (the request plane goes quiet)."""
 
     @abc.abstractmethod
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Free device memory by tag; requires an idle engine."""
+        """Every rank of the group: free device memory by tag; requires an idle engine."""
 
     @abc.abstractmethod
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Re-allocate what ``release_memory`` freed."""
+        """Every rank of the group: re-allocate what ``release_memory`` freed."""
 
     @abc.abstractmethod
     def stats(self) -> EngineStats:

@@ -203,9 +203,8 @@ class Qwen2TP:
     def release(self) -> None:
         self.params = {}
 
-    @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's shard of the full HF tensor ``name`` into place."""
+    def _slot(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(where this rank keeps its shard of the full HF tensor ``name``, that shard)."""
         target = self._targets.get(name)
         if target is None:
             raise KeyError(f"unknown Qwen2 weight name {name!r}")
@@ -218,7 +217,19 @@ class Qwen2TP:
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: got shape {tuple(tensor.shape)} for this rank's shard, "
                              f"expected {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        return dest, tensor
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's shard of the full HF tensor ``name`` into place."""
+        dest, shard = self._slot(name, tensor)
+        dest.copy_(shard)
+
+    @torch.no_grad()
+    def shard_diff(self, name: str, tensor: torch.Tensor) -> float:
+        """max |stored shard - this rank's shard of the full tensor ``name``|."""
+        dest, shard = self._slot(name, tensor)
+        return float((dest.float() - shard.float()).abs().max()) if shard.numel() else 0.0
 
     def load_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         seen = set()

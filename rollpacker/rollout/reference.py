@@ -188,35 +188,33 @@ class ReferenceEngine(RolloutEngine):
                 + [c.request_id for c in self._done])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full HF tensors in place; under TP each is broadcast and every rank keeps its shard."""
-        self._require_leader()
+        """Every rank of the group: load full HF tensors in place, each rank keeping its shard."""
         if not self.model.allocated:
             raise RuntimeError(f"engine {self.engine_id}: weights are released; resume_memory(['weights']) first")
         for name, tensor in named_tensors:
             if not self.model.has_weight(name):
                 raise KeyError(f"engine {self.engine_id}: unknown Qwen2 weight name {name!r}")
-            tensor = tensor.detach().to(self.model.device, self.model.dtype).contiguous()
-            if self.tp_size > 1:
-                self._send("load", (name, tuple(tensor.shape)))
-                dist.broadcast(tensor, src=self._leader, group=self.group)
-            self.model.load(name, tensor)
+            self.model.load(name, tensor.detach().to(self.model.device, self.model.dtype).contiguous())
             self._missing_weights.discard(name)
 
+    def max_weight_diff(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        worst = 0.0
+        for name, tensor in named_tensors:
+            worst = max(worst, self.model.shard_diff(name, tensor.detach().to(self.model.device, self.model.dtype)))
+        return worst
+
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Drop the KV cache and/or weights (CPU: the tensors). Followers leave ``serve_follower``."""
-        self._require_leader()
+        """Every rank of the group: drop the KV cache and/or weights (CPU: the tensors)."""
         if self._running or self._waiting:
             raise RuntimeError(f"engine {self.engine_id}: release_memory needs an idle engine "
                                f"({len(self._running)} running, {len(self._waiting)} waiting)")
         self._check_tags(tags)
-        self._send("release", tuple(tags))
         self._release(tags)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Re-allocate; after ``weights`` the engine serves only once ``update_weights`` refilled them."""
-        self._require_leader()
+        """Every rank of the group: re-allocate; after ``weights`` the engine serves only once
+        ``update_weights`` refilled them."""
         self._check_tags(tags)
-        self._send("resume", tuple(tags))
         self._resume(tags)
         if "weights" in tags:
             self._missing_weights = set(self.model.hf_names())
@@ -232,12 +230,12 @@ class ReferenceEngine(RolloutEngine):
         if self.is_leader:
             self._send("shutdown", None)
 
-    def serve_follower(self) -> str:
-        """Follower loop: mirror the leader's forwards and weight loads.
+    def stop_followers(self) -> None:
+        self._require_leader()
+        self._send("stop", None)
 
-        Returns ``"release"`` when the leader released memory (the rank is free for other
-        work and must call this again before the leader resumes) or ``"shutdown"``.
-        """
+    def serve_follower(self) -> str:
+        """Follower loop: mirror the leader's forwards until it sends ``stop`` or ``shutdown``."""
         if self.is_leader:
             raise RuntimeError("serve_follower is for the non-leader ranks of a TP group")
         while True:
@@ -246,18 +244,8 @@ class ReferenceEngine(RolloutEngine):
             cmd, arg = box[0]
             if cmd == "forward":
                 self.model.forward(arg, self.kv)
-            elif cmd == "load":
-                name, shape = arg
-                tensor = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
-                dist.broadcast(tensor, src=self._leader, group=self.group)
-                self.model.load(name, tensor)
-            elif cmd == "resume":
-                self._resume(arg)
-            elif cmd == "release":
-                self._release(arg)
-                return "release"
-            elif cmd == "shutdown":
-                return "shutdown"
+            elif cmd in ("stop", "shutdown"):
+                return cmd
             else:
                 raise RuntimeError(f"unknown command {cmd!r} from the leader")
 

@@ -273,8 +273,13 @@ class SGLangEngine(RolloutEngine):
         return list(self._active)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push full HF tensors in buckets of at most ``weight_bucket_mb``; the last one flushes the cache."""
-        self._require_leader()
+        """Push full HF tensors in buckets of at most ``weight_bucket_mb``; the last one flushes the cache.
+
+        Other ranks of the group own no engine: their call only walks the tensors."""
+        if not self.is_leader:
+            for _ in named_tensors:
+                pass
+            return
         limit = self.cfg.weight_bucket_mb << 20
         with self._paused():
             pending = None
@@ -308,7 +313,7 @@ class SGLangEngine(RolloutEngine):
 
     def serve_follower(self) -> str:
         """Nothing to mirror: SGLang drives the group's GPUs from the leader's engine."""
-        return "release"
+        return "stop"
 
     # ---- internals -----------------------------------------------------------------------------
     def _require_leader(self) -> None:
@@ -345,10 +350,11 @@ class SGLangEngine(RolloutEngine):
             self._busy_since = None
 
     def _memory(self, qualname: str, tags: Sequence[str]) -> None:
-        self._require_leader()
         unknown = set(tags) - set(MEMORY_TAGS)
         if unknown:
             raise ValueError(f"unknown memory tags {sorted(unknown)}; valid: {MEMORY_TAGS}")
+        if not self.is_leader:  # the owner's engine releases the whole group's GPUs
+            return
         if self._active:
             raise RuntimeError(f"engine {self.engine_id}: {qualname.split('.')[1]} needs an idle engine "
                                f"({len(self._active)} requests in flight)")

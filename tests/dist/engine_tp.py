@@ -36,25 +36,39 @@ def main() -> None:
     group = dist.new_group([0, 1])
     cfg = RolloutConfig(kv_page_size=4, kv_cache_tokens=96)
     engine = ReferenceEngine(old_dir, cfg, group=group)
-    if dist.get_rank() != 0:
-        while engine.serve_follower() == "release":
-            pass  # this script resumes at once; a real program would train here
-        dist.destroy_process_group()
-        return
+    leader = dist.get_rank() == 0
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (4, 13, 7, 22, 2)]
-    result = {"tp2": greedy(engine, prompts), "tp1": greedy(ReferenceEngine(old_dir, cfg), prompts),
-              "tp2_preemptions": engine.stats().preemptions}
+    result = {}
+
+    def serve(key: str) -> None:
+        """Request plane: the leader generates while the follower mirrors its forwards."""
+        if leader:
+            result[key] = greedy(engine, prompts)
+            engine.stop_followers()
+        else:
+            assert engine.serve_follower() == "stop"
+
+    serve("tp2")
+    if leader:
+        result["tp1"] = greedy(ReferenceEngine(old_dir, cfg), prompts)
+        result["tp2_preemptions"] = engine.stats().preemptions
+    # control plane: every rank of the group makes the same calls
     engine.release_memory(["kv_cache", "weights"])
     engine.resume_memory(["kv_cache", "weights"])
     engine.update_weights(iter_safetensors(old_dir))
-    result["tp2_after_resume"] = greedy(engine, prompts)
+    serve("tp2_after_resume")
     engine.update_weights(iter_safetensors(new_dir))
-    result["tp2_updated"] = greedy(engine, prompts)
-    result["tp1_fresh_new"] = greedy(ReferenceEngine(new_dir, cfg), prompts)
-    engine.shutdown()
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    result["max_weight_diff_new"] = engine.max_weight_diff(iter_safetensors(new_dir))
+    result["max_weight_diff_old"] = engine.max_weight_diff(iter_safetensors(old_dir))
+    serve("tp2_updated")
+    if leader:
+        result["tp1_fresh_new"] = greedy(ReferenceEngine(new_dir, cfg), prompts)
+        engine.shutdown()
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    else:
+        assert engine.serve_follower() == "shutdown"
     dist.destroy_process_group()
 
 
