@@ -17,9 +17,11 @@ Scheduling (on the leader):
 Tensor parallelism: a process group of ranks forms one engine. The group's first
 rank (the leader) owns all scheduling state and samples from full logits (lm_head
 is replicated); before each forward it broadcasts the ``ForwardPlan``, and the
-followers, inside ``serve_follower()``, run the same forward in lockstep. Page
-allocation is leader-only: every rank's KV pool has the same page layout, so
-abort and preemption need no message.
+followers, inside ``serve_follower()``, run the same forward in lockstep until
+``stop_followers()``. Page allocation is leader-only: every rank's KV pool has the
+same page layout, so abort and preemption need no message. Weight updates and
+memory release/resume are made by every rank of the group with the same full
+tensors or tags, so they need no broadcast either.
 """
 from __future__ import annotations
 
@@ -103,8 +105,9 @@ class ReferenceEngine(RolloutEngine):
     ``(HF config dict or Qwen2Spec, {HF name: full tensor})``. ``cfg``: the rollout
     section (``kv_cache_tokens``, ``kv_page_size``, ``max_running_requests``,
     ``max_prefill_tokens``, ``seed``). ``group``: the ranks forming this engine (None:
-    this process alone); every rank of the group constructs the engine, the leader
-    (group rank 0) calls the interface, the others call ``serve_follower()``.
+    this process alone); every rank of the group constructs the engine; the leader
+    (group rank 0) makes the request-plane calls while the others sit in
+    ``serve_follower()``; control-plane calls are made by every rank (see ``RolloutEngine``).
     ``device``: where weights and KV live; ``dtype``: parameter and KV dtype.
     """
 
