@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RolloutConfig(backend=args.backend, tp=args.tp, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed)
     engine = make_engine(cfg, model_dir, group=group, device=device)
     if not engine.is_leader:
-        engine.serve_follower()
+        engine.serve_follower()  # until the leader's stop_followers()
+        engine.shutdown()
         dist.destroy_process_group()
         return
     prompts, tokenizer = read_prompts(Path(args.input), model_dir)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         done = generate(engine, prompts, params, args.n)
     except RequestError as exc:
-        engine.shutdown()  # releases the followers of a TP group too
+        engine.stop_followers()
+        engine.shutdown()
         raise SystemExit(f"{args.input}: {exc}") from None
     seconds = time.perf_counter() - start
     with open(args.output, "w") as out:
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = sum(len(c.output_ids) for c in done.values())
     print(f"{len(done)} completions, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s "
           f"({args.backend}, tp={args.tp}, preemptions={engine.stats().preemptions})")
+    engine.stop_followers()
     engine.shutdown()
     if group is not None:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,7 +19,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 PHASE_COLOURS = {
-    "rollout": "#4C72B0", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
+    "rollout": "#4C72B0", "serve": "#6A8FC8", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
     "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860",
     "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974",
 }
@@ -128,8 +129,7 @@ def _wandb_id(run_dir: Path) -> str:
     """A stable W&B run id per run directory, so a resumed job appends to the same run."""
     id_file = run_dir / "wandb_id"
     if not id_file.exists():
-        import wandb
-        id_file.write_text(wandb.util.generate_id())
+        id_file.write_text(uuid.uuid4().hex[:12])
     return id_file.read_text().strip()
 
 

@@ -230,15 +230,17 @@ class ReferenceEngine(RolloutEngine):
         return s
 
     def shutdown(self) -> None:
-        if self.is_leader:
-            self._send("shutdown", None)
+        """Every rank of the group (after the leader stopped its followers): drop all memory."""
+        self._waiting.clear()
+        self._running, self._rows, self._done = [], None, []
+        self._release(MEMORY_TAGS)
 
     def stop_followers(self) -> None:
         self._require_leader()
         self._send("stop", None)
 
     def serve_follower(self) -> str:
-        """Follower loop: mirror the leader's forwards until it sends ``stop`` or ``shutdown``."""
+        """Follower loop: mirror the leader's forwards until it calls ``stop_followers``."""
         if self.is_leader:
             raise RuntimeError("serve_follower is for the non-leader ranks of a TP group")
         while True:
@@ -247,7 +249,7 @@ class ReferenceEngine(RolloutEngine):
             cmd, arg = box[0]
             if cmd == "forward":
                 self.model.forward(arg, self.kv)
-            elif cmd in ("stop", "shutdown"):
+            elif cmd == "stop":
                 return cmd
             else:
                 raise RuntimeError(f"unknown command {cmd!r} from the leader")

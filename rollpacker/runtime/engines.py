@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -19,14 +21,12 @@ from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, RolloutEngine
 from rollpacker.runtime.world import RolloutLayout, World
-from rollpacker.sync import make_weight_sync
 
 
 class EngineSets:
     def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, tp_sizes: list[int]):
         """Collective: build this rank's engine of every TP size, then release them all."""
         self.world = world
-        self.sync = make_weight_sync(cfg)
         self.engines: dict[int, RolloutEngine] = {}
         for tp in sorted(set(tp_sizes)):
             layout = world.rollout[tp]
@@ -54,8 +54,22 @@ class EngineSets:
         self.tp = tp
 
     def push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Collective: load the trainer's current weights into the awake engine."""
-        return self.sync.push(self.active, self.layout.is_leader, named_tensors)
+        """Collective: stream the trainer's full tensors into the awake engine.
+
+        Every rank walks the stream (the trainer's gather over TP/PP is
+        collective); a reference engine keeps each rank's shard, an SGLang
+        engine's owner pushes buckets and its other ranks only walk.
+        """
+        start, nbytes = time.perf_counter(), 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal nbytes
+            for name, tensor in named_tensors:
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self.active.update_weights(counted())
+        return {"sync/bytes": float(nbytes), "sync/load_s": time.perf_counter() - start}
 
     def max_weight_diff(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> float:
         """Collective: the largest |engine weight - trainer weight| over every rank's shards."""

@@ -99,7 +99,9 @@ class Run:
 
     def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
         self.phases.to(Phase.ROLLOUT)
-        with self._timed("rollout" if self.coordinator else "follow"):
+        layout = self.engines.layout
+        role = "rollout" if self.coordinator else "serve" if layout.is_leader else "follow"
+        with self._timed(role):
             return self.rollout_phase.run(plan)
 
     def train(self, result: RoundResult | None) -> dict[str, float]:
