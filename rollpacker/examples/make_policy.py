@@ -48,6 +48,7 @@ class WarmupConfig:
     step_error_rate: float = 0.05  # per-step corruption of the demonstrations
     uniform_fraction: float = 0.3  # share of examples with uniform (not log-normal) step counts
     threads: int = 1
+    init: str | None = None  # continue from this checkpoint instead of random weights
 
 
 def _demonstration(rng: random.Random, cfg: WarmupConfig) -> task.Problem:
@@ -109,7 +110,12 @@ def train(cfg: WarmupConfig, out: Path, log_every: int = 50) -> float:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tok = build_tokenizer()
-    model = build_model(cfg, tok.get_vocab_size())
+    if cfg.init:
+        from transformers import Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
+    else:
+        model = build_model(cfg, tok.get_vocab_size())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                   weight_decay=cfg.weight_decay)
@@ -157,13 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=WarmupConfig.steps)
     parser.add_argument("--threads", type=int, default=WarmupConfig.threads)
+    parser.add_argument("--lr", type=float, default=WarmupConfig.lr)
+    parser.add_argument("--warmup-steps", type=int, default=WarmupConfig.warmup_steps)
+    parser.add_argument("--init", default=None, help="continue the warm-up from this policy directory")
     parser.add_argument("--train-prompts", type=int, default=2048)
     parser.add_argument("--eval-prompts", type=int, default=256)
     args = parser.parse_args(argv)
     data_out = Path(args.data_out)
     write_jsonl(data_out / "train.jsonl", task.generate_rows(args.train_prompts, TRAIN_PROMPTS_SEED))
     write_jsonl(data_out / "eval.jsonl", task.generate_rows(args.eval_prompts, EVAL_PROMPTS_SEED))
-    cfg = WarmupConfig(seed=args.seed, steps=args.steps, threads=args.threads)
+    cfg = WarmupConfig(seed=args.seed, steps=args.steps, threads=args.threads, lr=args.lr,
+                       warmup_steps=args.warmup_steps, init=args.init)
     seconds = train(cfg, Path(args.out))
     print(f"policy written to {args.out} after {seconds / 60:.1f} min of warm-up")
 
