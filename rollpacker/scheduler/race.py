@@ -18,6 +18,9 @@ after the round closes; ``on_group_done`` then fires after that stage.
 """
 from __future__ import annotations
 
+import dataclasses
+import zlib
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +32,15 @@ from rollpacker.scheduler.protocols import RewardSink, ScoreFuture
 from rollpacker.scheduler.round import RoundPlan, RoundResult, RoundStats
 
 GroupCallback = Callable[[list[Sample]], None]
+
+
+def request_seed(base: int | None, round_index: int, request_id: str) -> int:
+    """A request's sampling seed from the run seed, the round and the request id alone.
+
+    Independent of which engine serves it and of what else is in flight, so a
+    resumed run samples exactly what the uninterrupted run would have.
+    """
+    return zlib.crc32(f"{base or 0}:{round_index}:{request_id}".encode())
 
 
 @dataclass
@@ -88,7 +100,9 @@ class RoundRunner:
             sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
             self.by_request[sample.request_id] = (group, sample)
             group.open.add(sample.request_id)
-            requests.append(GenerationRequest(sample.request_id, prompt.input_ids, self.sampling))
+            params = dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, self.plan.index,
+                                                                          sample.request_id))
+            requests.append(GenerationRequest(sample.request_id, prompt.input_ids, params))
         self.driver.submit(requests)
 
     def _on_completion(self, c: Completion) -> None:

@@ -56,7 +56,7 @@ class Scheduler:
         self.rollout_ranks = rollout_ranks
         self.sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                        max_new_tokens=rollout.max_response_length,
-                                       stop_token_ids=tuple(stop_token_ids))
+                                       stop_token_ids=tuple(stop_token_ids), seed=rollout.seed)
         self.policy = make_policy(cfg)
         self.queue = LongPromptQueue()
         self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
