@@ -14,6 +14,8 @@ the mean short-round and amortized speedups; and each mode's distance from
 the bubble-free bound = the tokens it generated / the engine's saturated
 throughput (the mean of a measurement before and one after the rounds, with
 every request of a short round's concurrency decoding 64 tokens, no stop).
+Sampling is seeded, so every run generates the same tokens round by round;
+only the seconds move with the load other processes put on the machine.
 """
 from __future__ import annotations
 
