@@ -71,22 +71,37 @@ def test_step_metrics_are_complete(tail_run):
     assert (tail_run / "timeline" / "step_000001.png").stat().st_size > 5000
 
 
+def _wandb_records(path: Path):
+    """Records of a .wandb file: a 7-byte W&B header, then LevelDB-log blocks of protobuf records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, chunks = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too short for a header: padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(chunks)
+            chunks = b""
+            yield rec
+        elif kind == 0:
+            break
+
+
 def test_wandb_offline_files_hold_the_step_metrics(tail_run):
     files = list((tail_run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert files, "no offline W&B run"
-    from wandb.sdk.internal.datastore import DataStore
-    from wandb.proto import wandb_internal_pb2
-
-    ds = DataStore()
-    ds.open_for_scan(str(files[0]))
     steps = set()
-    while (data := ds.scan_data()) is not None:
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+    for rec in _wandb_records(files[0]):
         if rec.WhichOneof("record_type") == "history":
-            items = {i.key: i.value_json for i in rec.history.item}
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
             if "rollout_s" in items:
-                steps.add(int(items["_step"]))
+                steps.add(int(rec.history.step.num))
     assert steps == set(range(1, 7))
 
 
