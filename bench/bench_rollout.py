@@ -28,25 +28,13 @@ import torch
 
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.reward import RewardConfig, RewardPool
+from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.sample import Sample
 from rollpacker.scheduler import RealClock, RoundKind, RoundResult, Scheduler
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.modes.base import over_launch
-
-
-class PoolSink:
-    """The scheduler's ``RewardSink`` over the real pool: decode, then submit."""
-
-    def __init__(self, pool: RewardPool, tokenizer) -> None:
-        self.pool, self.tokenizer = pool, tokenizer
-
-    def submit(self, sample: Sample):
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        return self.pool.submit(sample.prompt.data_source, text, sample.prompt.ground_truth,
-                                key=f"p{sample.prompt.uid}")
 
 
 def saturated_throughput(engine: ReferenceEngine, dataset: PromptDataset, requests: int, tokens: int) -> float:
@@ -67,7 +55,7 @@ def make_scheduler(mode: str, args: argparse.Namespace, tokenizer, rollout: Roll
     return Scheduler(cfg, rollout, dataset, rollout_ranks=1, stop_token_ids=[tokenizer.eos_token_id])
 
 
-def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: PoolSink) -> RoundResult:
+def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: PoolRewardSink) -> RoundResult:
     result = scheduler.run_round(scheduler.plan_round(), [engine], sink, clock=RealClock())
     s = result.stats
     print(f"  {mode:<14}{result.index:>4} {result.kind.value:<9}{s.rollout_seconds:>9.2f}"
@@ -110,7 +98,7 @@ def main() -> None:
     runs: dict[str, list[RoundResult]] = {"baseline": [], "tail_batching": []}
     schedulers = {mode: make_scheduler(mode, args, tokenizer, rollout) for mode in runs}
     with RewardPool(RewardConfig(num_workers=1)) as pool:
-        sink = PoolSink(pool, tokenizer)
+        sink = PoolRewardSink(pool, tokenizer)
         pool.wait_ready(60)
         for _ in range(5 * args.cycles):  # interleaved, so both modes see the same machine load
             for mode, scheduler in schedulers.items():

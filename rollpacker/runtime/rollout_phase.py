@@ -13,30 +13,15 @@ its followers, and the kept groups are broadcast to all ranks for training.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any
-
 import torch.distributed as dist
 
 from rollpacker.coordinator import EngineServer, Endpoint, RemoteEngine
-from rollpacker.reward import RewardPool
+from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.sample import Sample
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
 from rollpacker.scheduler.round import RoundPlan, RoundResult
-
-
-class PoolRewardSink:
-    """Adapts the reward pool to the scheduler: decode the response, score by data source."""
-
-    def __init__(self, pool: RewardPool, tokenizer: Any):
-        self.pool, self.tokenizer = pool, tokenizer
-
-    def submit(self, sample: Sample) -> Future:
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-        p = sample.prompt
-        return self.pool.submit(p.data_source, text, p.ground_truth, key=str(p.uid))
 
 
 class RolloutPhase:

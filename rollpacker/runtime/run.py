@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -26,7 +25,8 @@ from rollpacker.reward import RewardPool
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.ledger import PromptLedger
 from rollpacker.runtime.preflight import Preflight
-from rollpacker.runtime.rollout_phase import PoolRewardSink, RolloutPhase, broadcast_groups
+from rollpacker.reward.sink import PoolRewardSink
+from rollpacker.runtime.rollout_phase import RolloutPhase, broadcast_groups
 from rollpacker.runtime.world import World
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.round import RoundPlan, RoundResult
