@@ -7,6 +7,15 @@ stepchain derivations, and the train/eval prompt files.  The demonstrations
 carry a per-step error rate, so the policy is imperfect in the way GRPO needs:
 short chains are usually right, long chains usually wrong.
 
+The shipped ``assets/policy`` is three runs of this script, 11.6 min of
+one-thread CPU time in all (each run's ``warmup.json`` records its settings)::
+
+    python -m rollpacker.examples.make_policy --seed 0 --steps 500 --out /tmp/stage1
+    python -m rollpacker.examples.make_policy --init /tmp/stage1 --seed 1 --steps 250 \
+        --lr 1e-3 --warmup-steps 10 --out /tmp/stage2
+    python -m rollpacker.examples.make_policy --init /tmp/stage2 --seed 2 --steps 400 \
+        --lr 1.5e-3 --warmup-steps 10 --out assets/policy
+
 Deterministic: every random draw comes from ``--seed`` (Python ``Random`` for
 data, ``torch.manual_seed`` for weights), and torch runs with
 ``use_deterministic_algorithms`` on a fixed thread count (``--threads``,
