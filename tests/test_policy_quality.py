@@ -47,7 +47,7 @@ def test_shipped_files_are_complete_and_small():
     assert max(row["extra_info"]["num_steps"] for row in evaluation) <= MAX_STEPS
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)  # ~2 min on 2 idle cores, ~5 min when the cores are shared
 def test_shipped_policy_has_grpo_signal_a_long_tail_and_prompt_bound_lengths():
     report, _ = evaluate_policy(str(POLICY), str(EVAL), n=8, seed=0, threads=2)
     print(report.summary())
