@@ -7,19 +7,16 @@ stepchain derivations, and the train/eval prompt files.  The demonstrations
 carry a per-step error rate, so the policy is imperfect in the way GRPO needs:
 short chains are usually right, long chains usually wrong.
 
-The shipped ``assets/policy`` is three runs of this script, 11.6 min of
-one-thread CPU time in all (each run's ``warmup.json`` records its settings)::
-
-    python -m rollpacker.examples.make_policy --seed 0 --steps 500 --out /tmp/stage1
-    python -m rollpacker.examples.make_policy --init /tmp/stage1 --seed 1 --steps 250 \
-        --lr 1e-3 --warmup-steps 10 --out /tmp/stage2
-    python -m rollpacker.examples.make_policy --init /tmp/stage2 --seed 2 --steps 400 \
-        --lr 1.5e-3 --warmup-steps 10 --out assets/policy
+By default (``--recipe shipped``) it makes the shipped ``assets/policy``: three
+warm-up stages, each continuing the last (``SHIPPED_STAGES``; 11.6 min of
+one-thread CPU time in all; the last stage's ``warmup.json`` records its
+settings). ``--recipe single`` runs one stage with the flags given, e.g.
+``--init DIR`` to continue a warm-up.
 
 Deterministic: every random draw comes from ``--seed`` (Python ``Random`` for
 data, ``torch.manual_seed`` for weights), and torch runs with
 ``use_deterministic_algorithms`` on a fixed thread count (``--threads``,
-default 2).  The same seed, thread count and torch build give bit-identical
+default 1).  The same seed, thread count and torch build give bit-identical
 weights; a different thread count may change float summation order.
 """
 from __future__ import annotations
@@ -28,6 +25,7 @@ import argparse
 import json
 import math
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,6 +163,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+# The shipped policy's warm-up: a long stage at the default rate, then two shorter ones at lower rates.
+SHIPPED_STAGES = (
+    {"seed": 0, "steps": 500},
+    {"seed": 1, "steps": 250, "lr": 1e-3, "warmup_steps": 10},
+    {"seed": 2, "steps": 400, "lr": 1.5e-3, "warmup_steps": 10},
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="assets/policy")
@@ -175,15 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=WarmupConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=WarmupConfig.warmup_steps)
     parser.add_argument("--init", default=None, help="continue the warm-up from this policy directory")
+    parser.add_argument("--recipe", choices=("shipped", "single"), default="shipped",
+                        help="shipped: the three stages that made assets/policy; single: one stage from the flags")
     parser.add_argument("--train-prompts", type=int, default=2048)
     parser.add_argument("--eval-prompts", type=int, default=256)
     args = parser.parse_args(argv)
     data_out = Path(args.data_out)
     write_jsonl(data_out / "train.jsonl", task.generate_rows(args.train_prompts, TRAIN_PROMPTS_SEED))
     write_jsonl(data_out / "eval.jsonl", task.generate_rows(args.eval_prompts, EVAL_PROMPTS_SEED))
-    cfg = WarmupConfig(seed=args.seed, steps=args.steps, threads=args.threads, lr=args.lr,
-                       warmup_steps=args.warmup_steps, init=args.init)
-    seconds = train(cfg, Path(args.out))
+    single = {"seed": args.seed, "steps": args.steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
+    stages = SHIPPED_STAGES if args.recipe == "shipped" else (single,)
+    seconds, init = 0.0, args.init
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, stage in enumerate(stages):
+            out = Path(args.out) if i == len(stages) - 1 else Path(tmp) / f"stage{i}"
+            seconds += train(WarmupConfig(threads=args.threads, init=init, **stage), out)
+            init = str(out)
     print(f"policy written to {args.out} after {seconds / 60:.1f} min of warm-up")
 
 
