@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from megatron_ext.logprobs import token_entropy, token_logprobs
 from megatron_ext.parallel import ParallelLayout, setup_layout, teardown_layout
-from megatron_ext.qwen2 import Qwen2Model, build_model, load_hf_config, parse_spec
+from megatron_ext.qwen2 import Qwen2Model, build_model
+from rollpacker.hf_qwen2 import load_hf_config, parse_spec
 from megatron_ext.weights import copy_tokenizer_files, load_hf_checkpoint, save_hf_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

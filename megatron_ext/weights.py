@@ -31,7 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.qwen2 import Qwen2Model, Qwen2Spec, load_hf_config, parse_spec
+from megatron_ext.qwen2 import Qwen2Model
+from rollpacker.hf_qwen2 import Qwen2Spec, load_hf_config, parse_spec
 
 # Files copied next to an exported checkpoint when the source directory has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",

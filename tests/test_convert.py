@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from megatron_ext import weights
 from megatron_ext.convert import main
-from megatron_ext.qwen2 import build_model, parse_spec
+from megatron_ext.qwen2 import build_model, padded_vocab_size
+from rollpacker.hf_qwen2 import parse_spec
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.testing import run_torchrun
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
@@ -49,7 +50,7 @@ def test_sharding_is_inverted_by_gathering_at_any_tp(ckpts, tp):
               ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")]
     kinds = [weights._Kind.VOCAB, weights._Kind.ROW, weights._Kind.QKV, weights._Kind.QKV, weights._Kind.FC1]
     for names, kind in zip(groups, kinds):
-        rows = {weights._Kind.VOCAB: spec.padded_vocab_size(tp) // tp,
+        rows = {weights._Kind.VOCAB: padded_vocab_size(spec, tp) // tp,
                 weights._Kind.ROW: shapes[names[0]][0],
                 weights._Kind.QKV: sum(shapes[n][0] for n in names) // tp,
                 weights._Kind.FC1: 2 * shapes[names[0]][0] // tp}[kind]

@@ -12,7 +12,8 @@ import torch
 from megatron_ext import weights
 from megatron_ext.convert import verify
 from megatron_ext.parallel import setup_layout, teardown_layout
-from megatron_ext.qwen2 import build_model, parse_spec, transformer_config
+from megatron_ext.qwen2 import build_model, padded_vocab_size, transformer_config
+from rollpacker.hf_qwen2 import parse_spec
 from tests.dist.megatron_convert_checks import logprob_grad_errors
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
 
@@ -21,7 +22,7 @@ from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fi
 def test_logprob_parity_with_transformers(ckpts, layout, kind):
     spec = parse_spec(ckpts[kind])
     # The cases this parity is about: GQA, a vocabulary that needs padding, both embedding modes.
-    assert spec.num_kv_heads < spec.num_heads and spec.padded_vocab_size(1) > spec.vocab_size
+    assert spec.num_kv_heads < spec.num_heads and padded_vocab_size(spec, 1) > spec.vocab_size
     assert spec.tie_word_embeddings == (kind == "tied")
     parity = verify(ckpts[kind], layout)
     print(f"TP=1 {kind}: max |dlogp| = {parity.logprob_diff:.3e}, max |dH| = {parity.entropy_diff:.3e}")

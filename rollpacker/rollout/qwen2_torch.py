@@ -10,7 +10,6 @@ with no gather). Every rank holds the KV of its own heads only.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -20,48 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 
-
-@dataclass(frozen=True)
-class Qwen2Spec:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf(cls, cfg: dict, where: str = "config.json") -> "Qwen2Spec":
-        if cfg.get("model_type", "qwen2") != "qwen2":
-            raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} is not qwen2")
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{where}: rope_type {rope_type!r} is not supported (only default RoPE)")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{where}: sliding-window attention is not supported")
-        heads = cfg["num_attention_heads"]
-        return cls(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                   intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-                   num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   rms_norm_eps=cfg["rms_norm_eps"],
-                   rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-                   max_position_embeddings=cfg["max_position_embeddings"],
-                   tie_word_embeddings=cfg.get("tie_word_embeddings", False))
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "Qwen2Spec":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF Qwen2 directory)")
-        return cls.from_hf(json.loads(path.read_text()), str(path))
+from rollpacker.hf_qwen2 import Qwen2Spec
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

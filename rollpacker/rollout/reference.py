@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
-from rollpacker.rollout.qwen2_torch import ForwardPlan, Qwen2Spec, Qwen2TP, iter_safetensors
+from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
+from rollpacker.rollout.qwen2_torch import ForwardPlan, Qwen2TP, iter_safetensors
 from rollpacker.rollout.sampling import draw_uniforms, sample
 
 ModelSource = str | Path | tuple[dict | Qwen2Spec, Mapping[str, torch.Tensor]]
@@ -119,9 +120,9 @@ class ReferenceEngine(RolloutEngine):
         self.is_leader = group is None or dist.get_rank(group) == 0
         self._leader = 0 if group is None else dist.get_global_rank(group, 0)
         if isinstance(model, (str, Path)):
-            spec, tensors = Qwen2Spec.from_dir(model), iter_safetensors(model)
+            spec, tensors = parse_spec(model), iter_safetensors(model)
         else:
-            spec = model[0] if isinstance(model[0], Qwen2Spec) else Qwen2Spec.from_hf(model[0])
+            spec = model[0] if isinstance(model[0], Qwen2Spec) else parse_spec(model[0])
             tensors = iter(model[1].items())
         self.spec = spec
         self.model = Qwen2TP(spec, tp_rank=0 if group is None else dist.get_rank(group), tp_size=self.tp_size,
