@@ -146,14 +146,11 @@ class Run:
     # --- helpers ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
-        start = time.time()
-        try:
+        """A span on this rank's timeline whose seconds also go into the step's metrics."""
+        with self.timeline.span(phase):
             yield
-        finally:
-            end = time.time()
-            self.timeline.record(phase, start, end)
-            key = f"time/{phase}_s"
-            self.seconds[key] = self.seconds.get(key, 0.0) + end - start
+        span, key = self.timeline.spans[-1], f"time/{phase}_s"
+        self.seconds[key] = self.seconds.get(key, 0.0) + span.end - span.start
 
     def _step_metrics(self, result: RoundResult, train: dict[str, float]) -> dict[str, Any]:
         s = result.stats
