@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Any, Iterator
 
 import numpy as np
