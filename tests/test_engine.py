@@ -87,9 +87,30 @@ def _transformers_logprobs(model_dir: Path, prompt: list[int], output: list[int]
     return logp[len(prompt) - 1:-1].gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
 
 
+@torch.no_grad()
+def _megatron_logprobs(model_dir: Path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The trainer's model: Megatron-core GPTModel at TP=1, vocab-parallel log-probs."""
+    from megatron_ext.logprobs import token_logprobs
+    from megatron_ext.parallel import setup_layout, teardown_layout
+    from megatron_ext.qwen2 import build_model
+    from megatron_ext.weights import load_hf_checkpoint
+
+    layout = setup_layout()
+    try:
+        model = build_model(model_dir)
+        load_hf_checkpoint(model, model_dir)
+        model.eval()
+        seq = torch.tensor([prompt + output])
+        logits = model(seq, torch.arange(seq.shape[1]).unsqueeze(0), attention_mask=None)[:, :-1]
+        logp = token_logprobs(logits, seq[:, 1:], layout.tp_group, vocab_size=model.hf_spec.vocab_size)
+        return logp[0, len(prompt) - 1:]
+    finally:
+        teardown_layout(layout)
+
+
 # Each reference recomputes log p(token) of the engine's sequences at temperature 1; the
 # training model's own forward is the one RL users watch the mismatch against.
-LOGPROB_REFERENCES = {"transformers": _transformers_logprobs}
+LOGPROB_REFERENCES = {"transformers": _transformers_logprobs, "megatron": _megatron_logprobs}
 
 
 @pytest.mark.parametrize("reference", sorted(LOGPROB_REFERENCES))
