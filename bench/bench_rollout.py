@@ -14,6 +14,8 @@ the mean short-round and amortized speedups; and each mode's distance from
 the bubble-free bound = the tokens it generated / the engine's saturated
 throughput (the mean of a measurement before and one after the rounds, with
 every request of a short round's concurrency decoding 64 tokens, no stop).
+It also prints how much of the reward scoring (rewards scored as responses
+finish) was hidden behind generation in the tail-batching rounds.
 Sampling is seeded, so every run generates the same tokens round by round;
 only the seconds move with the load other processes put on the machine.
 """
@@ -55,11 +57,28 @@ def make_scheduler(mode: str, args: argparse.Namespace, tokenizer, rollout: Roll
     return Scheduler(cfg, rollout, dataset, rollout_ranks=1, stop_token_ids=[tokenizer.eos_token_id])
 
 
+def reward_overlap(result: RoundResult) -> tuple[float, float]:
+    """(seconds some kept response was being scored, seconds of that after the last one was generated).
+
+    With asynchronous reward only the scoring of the last kept responses can
+    outlast generation; everything else runs while the engine still decodes.
+    """
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((s.finished_at, s.scored_at) for s in result.samples):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    generated = max(s.finished_at for s in result.samples)
+    return busy, max(0.0, end - generated)
+
+
 def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: PoolRewardSink) -> RoundResult:
     result = scheduler.run_round(scheduler.plan_round(), [engine], sink, clock=RealClock())
     s = result.stats
+    busy, exposed = reward_overlap(result)
+    result.reward_busy, result.reward_exposed = busy, exposed
     print(f"  {mode:<14}{result.index:>4} {result.kind.value:<9}{s.rollout_seconds:>9.2f}"
-          f"{s.bubble_fraction:>8.2f}{s.generated_tokens:>9}{s.wasted_tokens:>9}{s.preemptions:>6}", flush=True)
+          f"{s.bubble_fraction:>8.2f}{s.generated_tokens:>9}{s.wasted_tokens:>9}{s.preemptions:>6}"
+          f"{busy:>9.2f}{exposed:>9.2f}", flush=True)
     result.groups = []  # keep only the stats
     return result
 
@@ -94,7 +113,8 @@ def main() -> None:
     concurrency = over_launch(args.eta, args.p0) * over_launch(args.eta, args.r0)
     probe = PromptDataset([args.data], tokenizer, max_prompt_length=256)
     throughputs = [saturated_throughput(engine, probe, concurrency, min(args.limit, 64))]
-    print(f"  {'mode':<14}{'round':>4} {'kind':<9}{'rollout s':>9}{'bubble':>8}{'gen tok':>9}{'wasted':>9}{'preempt':>6}")
+    print(f"  {'mode':<14}{'round':>4} {'kind':<9}{'rollout s':>9}{'bubble':>8}{'gen tok':>9}{'wasted':>9}{'preempt':>6}"
+          f"{'reward s':>9}{'exposed':>9}")
     runs: dict[str, list[RoundResult]] = {"baseline": [], "tail_batching": []}
     schedulers = {mode: make_scheduler(mode, args, tokenizer, rollout) for mode in runs}
     with RewardPool(RewardConfig(num_workers=1)) as pool:
@@ -115,6 +135,9 @@ def main() -> None:
           f"bubble {statistics.fmean(r.stats.bubble_fraction for r in tail):.2f}")
     print(f"speedup: short rounds {base_s / mean_seconds(tail, RoundKind.SHORT):.2f}x, "
           f"amortized over {args.cycles} cycles {base_s / mean_seconds(tail):.2f}x")
+    busy, exposed = sum(r.reward_busy for r in tail), sum(r.reward_exposed for r in tail)
+    print(f"reward overlap (tail batching, scored as responses finish): {busy:.2f} s of scoring, "
+          f"{exposed:.2f} s after generation ended: {1 - exposed / busy if busy else 1:.0%} hidden behind rollout")
     for mode, results in runs.items():
         total = sum(r.stats.round_seconds for r in results)
         bound = sum(r.stats.generated_tokens for r in results) / throughput
