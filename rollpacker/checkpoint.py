@@ -6,6 +6,7 @@ Layout of one checkpoint::
         rank00000.pt ... rankNNNNN.pt    each rank's own state (trainer shards, RNG)
         shared.pt                        rank 0's coordinator state (data cursor,
                                          long-prompt queue, planner, reward timeouts)
+        hf/                              the policy as an HF directory, for evaluation
         COMPLETE                         written last; a directory without it is ignored
 
 Every rank writes into ``step_XXXXXXXX.tmp``; after a barrier rank 0 writes
@@ -21,7 +22,7 @@ import random
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -65,8 +66,13 @@ class CheckpointManager:
         return self.root / f"{_PREFIX}{step:08d}"
 
     # --- save / load -----------------------------------------------------
-    def save(self, step: int, rank_state: dict[str, Any], shared_state: dict[str, Any] | None = None) -> Path:
-        """Collective over ``group``: every rank passes its own state; rank 0 also the shared state."""
+    def save(self, step: int, rank_state: dict[str, Any], shared_state: dict[str, Any] | None = None,
+             export: Callable[[Path], None] | None = None) -> Path:
+        """Collective over ``group``: every rank passes its own state; rank 0 also the shared state.
+
+        ``export(dir)``, when given, is called on every rank to write more files into the
+        checkpoint (the HF export of the policy) before it is marked complete.
+        """
         final, tmp = self.path(step), self.path(step).with_name(self.path(step).name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -75,6 +81,8 @@ class CheckpointManager:
         _atomic_torch_save({**rank_state, "rng": rng_state()}, tmp / f"rank{self.rank:05d}.pt")
         if self.rank == 0:
             _atomic_torch_save(shared_state or {}, tmp / "shared.pt")
+        if export is not None:
+            export(tmp)
         self._barrier()
         if self.rank == 0:
             (tmp / "COMPLETE").write_text(f"{step}\n")

@@ -61,6 +61,20 @@ def test_engine_weights_equal_trainer_after_sync(tail_run):
         assert r["sync/max_abs_diff"] == 0.0
 
 
+def test_checkpoints_carry_an_hf_export_of_the_trained_policy(tail_run):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen2ForCausalLM
+
+    export = tail_run / "checkpoints" / "step_00000006" / "hf"
+    model = Qwen2ForCausalLM.from_pretrained(export)  # loads as a plain HF checkpoint
+    start = load_file(POLICY / "model.safetensors")
+    trained = dict(model.named_parameters())
+    moved = [n for n, t in start.items() if n in trained and not torch.equal(t, trained[n].detach())]
+    assert moved, "the exported policy equals the starting one: the steps were not exported"
+    assert (export / "tokenizer.json").exists()
+
+
 def test_step_metrics_are_complete(tail_run):
     needed = {"rollout_s", "reward_s", "time/train_s", "time/sync_s", "bubble_fraction", "response_len_p50",
               "response_len_p90", "response_len_p99", "response_len_max", "generated_tokens", "wasted_tokens",

@@ -107,6 +107,10 @@ class Run:
         self.phases.to(Phase.TRAIN)
         with self._timed("train"):
             groups = broadcast_groups(result.groups if result else None)
+            # Groups arrive in completion order, which depends on timing; a canonical order
+            # makes the update bit-reproducible (a resumed run repeats the uninterrupted one).
+            groups = sorted((sorted(g, key=lambda s: s.response_index) for g in groups),
+                            key=lambda g: (g[0].prompt.epoch, g[0].prompt.uid))
             return self.trainer.train_step(groups)
 
     def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
@@ -133,7 +137,8 @@ class Run:
         if self.coordinator:
             shared = {"step": step, "data": self.dataset.state_dict(), "scheduler": self.scheduler.state_dict(),
                       "reward": self.pool.state_dict()}
-        self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared)
+        self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared,
+                       export=lambda ckpt_dir: self.trainer.save_hf(ckpt_dir / "hf"))
 
     def close(self) -> None:
         self.rollout_phase.close()
