@@ -1,6 +1,6 @@
 """Reference engine vs transformers static-batch ``generate``: tokens/s, same model, prompts, machine, run.
 
-    python bench/bench_engine.py [--model HF_DIR | random] [--threads 1]
+    python -m bench.bench_engine [--model HF_DIR | random] [--threads 1]
 
 Two workloads, greedy on both sides:
 - uniform: BATCH requests, every one generating exactly ``--uniform-len`` tokens (one static batch);
