@@ -44,7 +44,6 @@ class RunSection:
 @dataclass
 class ModelSection:
     path: str = ""  # HF directory: config.json, *.safetensors, tokenizer
-    dtype: Literal["fp32", "bf16"] = "fp32"
 
     def validate(self) -> None:
         if not self.path:

@@ -31,10 +31,6 @@ class RolloutLayout:
     def is_leader(self) -> bool:
         return dist.get_rank() == self.leader
 
-    @property
-    def num_engines(self) -> int:
-        return len(self.leaders)
-
 
 @dataclass
 class World:
@@ -74,9 +70,6 @@ class World:
             engine_id, block, group = mine
             self.rollout[tp] = RolloutLayout(tp=tp, engine_id=engine_id, leader=block[0], members=block,
                                              group=group, leaders=tuple(b[0] for b in blocks))
-
-    def barrier(self) -> None:
-        dist.barrier()
 
     def shutdown(self) -> None:
         if dist.is_initialized():
