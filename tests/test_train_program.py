@@ -150,25 +150,28 @@ def _worker_pids(launcher: subprocess.Popen) -> list[int]:
 
 def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
     run_dir = tmp_path / "crash"
-    steps = ["run.steps=5", "run.save_every=2", "scheduler.mode=baseline"]
+    # keep every checkpoint so the one the test waits for is never rotated away
+    steps = ["run.steps=8", "run.save_every=2", "run.keep_checkpoints=10", "scheduler.mode=baseline"]
     proc = _launch_background(run_dir, *steps)
+    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
     deadline = time.time() + 600
-    while time.time() < deadline and not (run_dir / "checkpoints" / "step_00000002" / "COMPLETE").exists():
-        time.sleep(0.5)
-    time.sleep(2.0)  # into step 3
-    os.kill(_worker_pids(proc)[-1], signal.SIGKILL)
+    while time.time() < deadline and not marker.exists() and proc.poll() is None:
+        time.sleep(0.02)
+    workers = _worker_pids(proc)
+    assert marker.exists() and workers, f"no running step 3 to kill:\n{proc.stdout.read().decode()[-3000:]}"
+    os.kill(workers[-1], signal.SIGKILL)  # in step 3 of 8
     proc.wait(timeout=300)
     assert proc.returncode != 0
-    _train(run_dir, *steps)  # same command: resumes from step 2
+    _train(run_dir, *steps)  # same command: resumes from the latest checkpoint
     trained, filtered = read_ledger(run_dir / "ledger.jsonl")
     assert max(trained.values()) == 1 and not filtered
-    assert len(trained) == 5 * 4
+    assert len(trained) == 8 * 4
     # baseline has no timing race: the resumed run's steps equal an uninterrupted run's
     ref_dir = tmp_path / "reference"
     _train(ref_dir, *steps)
     resumed = {r["step"]: r for r in _metrics(run_dir)}
     reference = {r["step"]: r for r in _metrics(ref_dir)}
-    assert sorted(resumed) == sorted(reference) == [1, 2, 3, 4, 5]
-    for step in (3, 4, 5):
+    assert sorted(resumed) == sorted(reference) == list(range(1, 9))
+    for step in range(3, 9):
         for key in ("reward_mean", "response_len_max", "generated_tokens", "train/loss"):
             assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
