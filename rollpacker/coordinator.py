@@ -7,6 +7,9 @@ keeps stepping its engine whenever it has work and answers messages between
 steps, so remote engines decode concurrently with rank 0's own engine; a
 ``poll`` from the coordinator only collects completions already buffered.
 
+In long rounds the coordinator also feeds finished prompt groups to ranks
+handed to the stream trainer (``GroupFeed`` → ``GroupInbox``, PUSH/PULL).
+
 Addresses are exchanged once over the world process group (every rank
 publishes host:port), so the channel works across nodes under torchrun.
 """
@@ -21,32 +24,49 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 import zmq
 
+from rollpacker.sample import Sample
 from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RequestError,
                                        RolloutEngine)
 
 _STOP = "__stop_serving__"
+ROUND_END = "round_end"  # why a server stops: the round is over ...
+TO_TRAINING = "to_training"  # ... or its ranks were handed to the stream trainer mid-round
 
 
 @dataclass(frozen=True)
 class Endpoint:
     rank: int
-    address: str  # tcp://host:port
+    address: str  # tcp://host:port of the rank's EngineServer
+    inbox: str  # tcp://host:port of the rank's GroupInbox
 
 
-def exchange_endpoints(group: dist.ProcessGroup | None = None) -> list[Endpoint]:
-    """Collective: every rank learns every rank's server address.
+def exchange_endpoints(server_port: int, inbox_port: int, group: dist.ProcessGroup | None = None) -> list[Endpoint]:
+    """Collective: every rank publishes the ports its ``EngineServer`` and ``GroupInbox`` are bound to.
 
-    Ports are ``ROLLPACKER_ZMQ_PORT`` (default MASTER_PORT + 101) plus the local
-    rank, so ranks on one node never collide; a peer on this host is reached
-    over loopback, one on another node by its hostname.
+    A peer on this host is reached over loopback, one on another node by its
+    hostname.
     """
-    base = int(os.environ.get("ROLLPACKER_ZMQ_PORT", int(os.environ.get("MASTER_PORT", "29500")) + 101))
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank(group)))
-    mine = (dist.get_rank(group), socket.gethostname(), base + local_rank)
+    mine = (dist.get_rank(group), socket.gethostname(), server_port, inbox_port)
     everyone: list[tuple | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     here = socket.gethostname()
-    return [Endpoint(r, f"tcp://{'127.0.0.1' if h == here else h}:{port}") for r, h, port in everyone]
+    endpoints = []
+    for rank, host, server, inbox in everyone:
+        host = "127.0.0.1" if host == here else host
+        endpoints.append(Endpoint(rank, f"tcp://{host}:{server}", f"tcp://{host}:{inbox}"))
+    return endpoints
+
+
+def _bind(sock: zmq.Socket, offset: int) -> int:
+    """Bind to ``ROLLPACKER_ZMQ_PORT`` + offset + local rank when that is set (fixed ports for
+    firewalled clusters), else to a port the OS picks: a port derived from MASTER_PORT can
+    collide with the ephemeral ports gloo's own connections use."""
+    fixed = os.environ.get("ROLLPACKER_ZMQ_PORT")
+    if not fixed:
+        return sock.bind_to_random_port("tcp://*")
+    port = int(fixed) + offset + int(os.environ.get("LOCAL_RANK", "0"))
+    sock.bind(f"tcp://*:{port}")
+    return port
 
 
 class EngineServer:
@@ -56,13 +76,14 @@ class EngineServer:
     with the engine this rank leads in that round's layout.
     """
 
-    def __init__(self, address: str):
+    def __init__(self):
         self._sock = zmq.Context.instance().socket(zmq.REP)
-        self._sock.bind(f"tcp://*:{address.rsplit(':', 1)[1]}")
+        self.port = _bind(self._sock, 0)
         self._done: list[Completion] = []
 
-    def serve(self, engine: RolloutEngine) -> None:
-        """Step ``engine`` whenever it has work, answer messages between steps, until told to stop."""
+    def serve(self, engine: RolloutEngine) -> str:
+        """Step ``engine`` whenever it has work, answer messages between steps, until told to
+        stop; returns the reason the coordinator gave (``ROUND_END`` or ``TO_TRAINING``)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while True:
@@ -71,7 +92,7 @@ class EngineServer:
                 method, args = self._sock.recv_pyobj()
                 if method == _STOP:
                     self._sock.send_pyobj(("ok", None))
-                    return
+                    return args[0]
                 self._sock.send_pyobj(self._handle(engine, method, args))
             if busy:
                 self._done.extend(engine.poll(0.0))
@@ -84,6 +105,11 @@ class EngineServer:
             if method == "poll":
                 out, self._done = self._done, []
                 return "ok", out
+            if method == "evict":  # finished but not yet collected ones are handed back too
+                ids = set(args[0])
+                handed = [c for c in self._done if c.request_id in ids]
+                self._done = [c for c in self._done if c.request_id not in ids]
+                return "ok", handed + engine.evict(ids - {c.request_id for c in handed})
             return "ok", getattr(engine, method)(*args)
         except RequestError as exc:
             return "request_error", str(exc)
@@ -127,6 +153,9 @@ class RemoteEngine(RolloutEngine):
     def abort(self, request_ids: Iterable[str]) -> None:
         self._call("abort", list(request_ids))
 
+    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
+        return self._call("evict", list(request_ids))
+
     def active_request_ids(self) -> list[str]:
         return self._call("active_request_ids")
 
@@ -143,9 +172,50 @@ class RemoteEngine(RolloutEngine):
     def stats(self) -> EngineStats:
         return self._call("stats")
 
-    def stop_serving(self) -> None:
-        """End the server's loop: its rank returns to the SPMD program."""
-        self._call(_STOP)
+    def stop_serving(self, reason: str = ROUND_END) -> None:
+        """End the server's loop: its rank returns to the SPMD program with ``reason``."""
+        self._call(_STOP, reason)
 
     def shutdown(self) -> None:
         self._sock.close(linger=0)
+
+
+class GroupInbox:
+    """A rank's end of the stream-trainer feed: prompt groups pushed by the coordinator."""
+
+    def __init__(self):
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self.port = _bind(self._sock, 64)
+
+    def receive(self) -> list[Sample] | None:
+        """The next finished prompt group; None when the round's rollout has ended."""
+        return self._sock.recv_pyobj()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class GroupFeed:
+    """The coordinator's end: pushes finished groups to ranks that stream-train.
+
+    PUSH/PULL keeps rank 0 from waiting on a trainer's forward/backward: a
+    group is queued on the socket and the scheduler goes on at once.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint]):
+        self._endpoints = endpoints
+        self._socks: dict[int, zmq.Socket] = {}
+
+    def send(self, ranks: Iterable[int], group: list[Sample] | None) -> None:
+        """``group`` to each of ``ranks`` (one data-parallel replica); None ends their round."""
+        for rank in ranks:
+            if rank not in self._socks:
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(self._endpoints[rank].inbox)
+                self._socks[rank] = sock
+            self._socks[rank].send_pyobj(group)
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()

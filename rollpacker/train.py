@@ -13,11 +13,14 @@ from __future__ import annotations
 import logging
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from rollpacker.runtime.preflight import preflight
 from rollpacker.runtime.run import Run
 from rollpacker.runtime.world import World
 
 
+@record  # torchrun's failure summary then names the rank that failed first, with its traceback
 def main(argv: list[str] | None = None) -> int:
     pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
     world = World.init(pre.cfg.run.threads_per_rank)

@@ -19,6 +19,7 @@ from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.handoff import HandoffPolicy
 from rollpacker.sim import H800, LengthOracle, ModelSpec, PerfModel, SimEngine, SimRewardSink, longtail_trace
 from rollpacker.sim.traces import PromptLengths
 
@@ -32,6 +33,11 @@ class RecordingEngine(SimEngine):
         super().__init__(*args, **kwargs)
         self.aborted: dict[str, float] = {}
         self.returned: dict[str, float] = {}
+        self.submitted: dict[str, GenerationRequest] = {}
+
+    def submit(self, requests) -> None:
+        self.submitted.update((r.request_id, r) for r in requests)
+        super().submit(requests)
 
     def abort(self, request_ids) -> None:
         ids = [rid for rid in request_ids if rid in set(self.active_request_ids())]
@@ -78,14 +84,14 @@ class Harness:
         return Scheduler(self.cfg, RolloutConfig(max_response_length=self.limit), self.source,
                          rollout_ranks=self.engines_n, async_reward=self.async_reward)
 
-    def round(self, on_group_done=None):
+    def round(self, on_group_done=None, handoff=None):
         plan = self.scheduler.plan_round()
         perf = PerfModel(TINY, H800, plan.tp)
         self.last_engines = [RecordingEngine(perf, self.clock, self.oracle, engine_id=i,
                                              kv_capacity_tokens=self.kv_capacity and self.kv_capacity * plan.tp)
                              for i in range(self.engines_n // plan.tp)]
         result = self.scheduler.run_round(plan, self.last_engines, self.sink, clock=self.clock,
-                                          on_group_done=on_group_done)
+                                          on_group_done=on_group_done, handoff=handoff)
         return plan, result
 
     def aborted(self) -> dict[str, float]:
@@ -241,7 +247,7 @@ def test_equal_lengths_give_no_speedup():
 def test_dispatch_balances_load_and_spreads_a_prompt():
     clock = VirtualClock()
     perf = PerfModel(TINY, H800, 1)
-    engines = [SimEngine(perf, clock, lambda rid: 10, engine_id=i) for i in range(3)]
+    engines = [SimEngine(perf, clock, lambda req: 10, engine_id=i) for i in range(3)]
     driver = EngineDriver(engines, clock)
     params = SamplingParams(max_new_tokens=64)
     driver.submit([GenerationRequest(f"p0e0r{r}", [1] * (8 + r), params) for r in range(7)])
@@ -263,3 +269,45 @@ def test_two_phase_api_guards():
     perf = PerfModel(TINY, H800, 1)
     with pytest.raises(ValueError, match="2 engines; got 1"):
         h.scheduler.run_round(plan, [SimEngine(perf, h.clock, h.oracle)], h.sink, clock=h.clock)
+
+
+def test_long_round_hands_engines_to_training_and_migrates_their_requests():
+    """DESIGN §4: at 20-50% done, up to half the engines leave; their requests continue elsewhere."""
+    h = Harness(p0=8, r0=4, num_prompts=30, engines=4)
+    released: list[tuple[list[int], float]] = []
+    calls_after: list[str] = []
+
+    def on_release(engines):
+        released.append((engines, h.clock.now()))
+        for i in engines:  # a released engine's ranks now train: any further call on it is a bug
+            e = h.last_engines[i]
+            for name in ("submit", "poll", "abort", "evict", "stats"):
+                setattr(e, name, lambda *a, name=name, **k: calls_after.append(name))
+
+    policy = HandoffPolicy(candidates=(3, 2, 1), on_release=on_release)
+    for _ in range(5):
+        plan, result = h.round(handoff=policy)
+        assert_batch(result, 8, 4, h.aborted())
+    assert plan.kind is RoundKind.LONG and len(released) == 1 and not calls_after
+    engines, _ = released[0]
+    assert engines == [3, 2]  # half of 4 engines, in the program's order
+    s = result.stats
+    assert 0.2 <= s.handoff_fraction <= 0.5 and s.migrated_requests > 0 and s.migrated_tokens > 0
+    submitted = {rid: r for e in h.last_engines[2:] + h.last_engines[:2] for rid, r in e.submitted.items()}
+    resumed = {rid for rid, r in submitted.items() if r.resume_ids}
+    assert resumed and len(resumed) <= s.migrated_requests
+    for sample in result.samples:  # migrated responses keep their tokens: full modeled length
+        assert sample.num_response_tokens == min(h.oracle(submitted[sample.request_id]), h.limit)
+    # no short round ever hands off, and the long round's responses all ran (no speculation)
+    assert s.launched_responses == 32 and not h.aborted()
+
+
+@pytest.mark.parametrize("kv_capacity, hands_off", [(600, False), (20000, True)])
+def test_handoff_only_when_the_kv_projection_fits(kv_capacity, hands_off):
+    h = Harness(p0=8, r0=4, num_prompts=30, engines=2, limit=512, kv_capacity=kv_capacity)
+    released = []
+    policy = HandoffPolicy(candidates=(1,), on_release=released.append)
+    for _ in range(5):
+        plan, result = h.round(handoff=policy)
+    assert plan.kind is RoundKind.LONG
+    assert (released == [[1]]) is hands_off and (result.stats.migrated_requests > 0) is hands_off

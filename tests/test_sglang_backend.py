@@ -16,7 +16,7 @@ import torch
 
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import GenerationRequest, RequestError, SamplingParams
+from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.sglang_backend import (PORT_STRIDE, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
                                                SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
                                                sampling_params, server_args, weight_buckets)
@@ -287,3 +287,22 @@ def test_engine_attributes_sampling_keys_outputs_and_env_exist(wheel):
     assert set(SGLANG_OUTPUT_KEYS) <= out_strings, set(SGLANG_OUTPUT_KEYS) - out_strings
     assert {"type", "stop", "length", "abort"} <= wheel.strings("sglang/srt/managers/schedule_batch.py")
     assert set(SGLANG_ENV) <= wheel.strings("sglang/srt/layers/sampler.py")
+
+
+def test_evict_hands_back_partial_requests_and_resume_continues_them():
+    engine = _engine()
+    engine.submit([GenerationRequest("held", [1], SamplingParams(max_new_tokens=HOLD)),
+                   GenerationRequest("short", [2], SamplingParams(max_new_tokens=2))])
+    assert [c.request_id for c in engine.poll(5.0)] == ["short"]
+    handed = engine.evict(["held", "unknown"])
+    assert [(c.request_id, c.finish_reason) for c in handed] == [("held", FINISH_EVICTED)]
+    assert engine.active_request_ids() == [] and engine.poll(0.2) == []
+    # the continuation: tokens so far join the prompt, count against max_new_tokens, lead the output
+    engine.submit([GenerationRequest("cont", [2], SamplingParams(max_new_tokens=6), resume_ids=(5, 6),
+                                     resume_logprobs=(-1.0, -2.0))])
+    (done,) = _drain(engine).values()
+    call = [c[1] for c in engine._engine.calls if c[0] == "async_generate"][-1]
+    assert call["input_ids"] == [2, 5, 6] and call["sampling_params"]["max_new_tokens"] == 4
+    assert done.output_ids[:2] == [5, 6] and done.logprobs[:2] == [-1.0, -2.0] and len(done.output_ids) == 6
+    with pytest.raises(RequestError, match="resumes 2 tokens with 1 log-probs"):
+        engine.submit([GenerationRequest("bad", [2], SamplingParams(max_new_tokens=6), (5, 6), (-1.0,))])

@@ -29,7 +29,7 @@ def drain(engine: SimEngine, clock: VirtualClock) -> list:
 
 def test_single_request_time_matches_the_closed_form():
     clock, perf = VirtualClock(), PerfModel(QWEN25["14b"], H800, 2)
-    engine = SimEngine(perf, clock, lambda rid: 1000)
+    engine = SimEngine(perf, clock, lambda req: 1000)
     engine.submit([GenerationRequest("p0e0r0", [0] * 200, SamplingParams(max_new_tokens=4096))])
     (c,) = drain(engine, clock)
     expected = perf.prefill_seconds(200) + sum(perf.decode_seconds(1, 1, 200 + j) for j in range(1000))
@@ -45,7 +45,7 @@ def test_length_limit_and_steps_within():
         k = perf.steps_within(budget, 64, 50_000)
         assert perf.decode_seconds(k, 64, 50_000) <= budget < perf.decode_seconds(k + 1, 64, 50_000)
     clock = VirtualClock()
-    engine = SimEngine(perf, clock, lambda rid: 9999)
+    engine = SimEngine(perf, clock, lambda req: 9999)
     engine.submit([GenerationRequest("p0e0r0", [0] * 8, SamplingParams(max_new_tokens=300))])
     (c,) = drain(engine, clock)
     assert (len(c.output_ids), c.finish_reason) == (300, "length")
@@ -53,7 +53,7 @@ def test_length_limit_and_steps_within():
 
 def test_kv_pressure_preempts_and_recomputes_without_losing_work():
     clock = VirtualClock()
-    engine = SimEngine(PerfModel(TINY, H800, 1), clock, lambda rid: 400 + 10 * int(rid.rpartition("r")[2]),
+    engine = SimEngine(PerfModel(TINY, H800, 1), clock, lambda req: 400 + 10 * int(req.request_id.rpartition("r")[2]),
                        kv_capacity_tokens=2000)
     params = SamplingParams(max_new_tokens=1024)
     engine.submit([GenerationRequest(f"p0e0r{i}", [0] * 50, params) for i in range(12)])
@@ -66,7 +66,7 @@ def test_kv_pressure_preempts_and_recomputes_without_losing_work():
 
 def test_abort_frees_kv_and_never_completes():
     clock = VirtualClock()
-    engine = SimEngine(PerfModel(TINY, H800, 1), clock, lambda rid: 100)
+    engine = SimEngine(PerfModel(TINY, H800, 1), clock, lambda req: 100)
     engine.submit([GenerationRequest(f"p0e0r{i}", [0] * 10, SamplingParams()) for i in range(4)])
     clock.advance_to(engine.next_event_time() / 2)
     engine.poll()

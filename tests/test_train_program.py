@@ -175,3 +175,30 @@ def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
     for step in range(3, 9):
         for key in ("reward_mean", "response_len_max", "generated_tokens", "train/loss"):
             assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
+
+
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory) -> Path:
+    # Two TP=1 engines in long rounds too (planner off), so one engine can leave for the stream trainer.
+    run_dir = tmp_path_factory.mktemp("runs") / "stream"
+    _train(run_dir, "run.steps=6", "run.save_every=0", "run.verify_sync=true", "run.wandb=disabled",
+           "scheduler.planner.enabled=false", "trainer.stream=true")
+    return run_dir
+
+
+def test_long_round_hands_an_engine_to_the_stream_trainer(stream_run):
+    rows = _metrics(stream_run)
+    long = [r for r in rows if r["round"] == "long"]
+    assert len(long) == 1 and long[0]["step"] == 5
+    r = long[0]
+    # the published trigger: 20-50% of the round's requests done; rank 1's engine leaves, its
+    # running requests continue on rank 0's engine with their tokens, and rank 1 trains the groups
+    assert 0.2 <= r["handoff_fraction"] <= 0.5
+    assert r["migrated_requests"] > 0 and r["migrated_tokens"] > 0
+    assert r["streamed_groups"] > 0 and r["train/stream_groups_before_rollout_end"] >= 1
+    assert r["groups"] == 4 and r["group_sizes"] == [4] and r["responses_kept"] == 16
+    assert (stream_run / "timeline" / "step_000005.png").exists()
+    for short in (x for x in rows if x["round"] == "short"):
+        assert short["streamed_groups"] == 0 and short["migrated_requests"] == 0
+    # after the streamed step, engines on both ranks hold exactly the trainer's (one, shared) update
+    assert rows[5]["sync/max_abs_diff"] == 0.0 and rows[4]["train/skipped"] == 0

@@ -14,6 +14,7 @@ event) and returns the requests that finished meanwhile.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -22,6 +23,7 @@ import torch
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+FINISH_EVICTED = "evicted"  # handed back by ``evict`` to continue on another engine
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -59,9 +61,26 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One response to generate.
+
+    ``resume_ids``/``resume_logprobs``: tokens this request already generated
+    on another engine before it was evicted (migration by recompute). The
+    engine rebuilds their KV and continues; they count towards
+    ``max_new_tokens``, are part of the completion's output and consume the
+    first draws of the request's seeded sampling stream, so a migrated request
+    samples as if it had never moved.
+    """
+
     request_id: str
     input_ids: Sequence[int]
     params: SamplingParams
+    resume_ids: Sequence[int] = ()
+    resume_logprobs: Sequence[float] = ()
+
+    def resumed_from(self, partial: "Completion") -> "GenerationRequest":
+        """This request continued after ``partial`` (an ``evict`` result) on another engine."""
+        return dataclasses.replace(self, resume_ids=tuple(partial.output_ids),
+                                   resume_logprobs=tuple(partial.logprobs))
 
 
 @dataclass
@@ -122,6 +141,13 @@ class RolloutEngine(abc.ABC):
 
     def abort_all(self) -> None:
         self.abort(self.active_request_ids())
+
+    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
+        """Stop the requests now and hand them back, one ``Completion`` per id still held:
+        a request that already finished (not yet polled) as it is, any other with the
+        tokens generated so far and ``finish_reason == FINISH_EVICTED``. Resubmitting
+        ``request.resumed_from(partial)`` elsewhere continues it (see ``GenerationRequest``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hand back running requests")
 
     @abc.abstractmethod
     def active_request_ids(self) -> list[str]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
+from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
 from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
 from rollpacker.rollout.qwen2_torch import ForwardPlan, Qwen2TP, iter_safetensors
@@ -156,7 +156,9 @@ class ReferenceEngine(RolloutEngine):
             p = r.params
             seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
             uniforms = draw_uniforms(seed, p.max_new_tokens) if p.temperature > 0 else torch.zeros(0)
-            self._waiting.append(_Request(r, uniforms, time.monotonic()))
+            # a resumed request re-enters exactly like one back from preemption: its tokens are recomputed
+            self._waiting.append(_Request(r, uniforms, time.monotonic(), output_ids=list(r.resume_ids),
+                                          logprobs=list(r.resume_logprobs)))
         if errors:
             raise RequestError("; ".join(errors), refused)
 
@@ -186,6 +188,19 @@ class ReferenceEngine(RolloutEngine):
             for i in hit:
                 self._free_row_pages(i)
             self._drop_rows(hit)
+
+    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
+        self._require_leader()
+        ids = set(request_ids)
+        handed = [c for c in self._done if c.request_id in ids]
+        for i, r in enumerate(self._running):
+            if r.req.request_id in ids:
+                self._snapshot(i)
+        held = [r for r in [*self._running, *self._waiting] if r.req.request_id in ids]
+        self.abort(ids)
+        now = time.monotonic()
+        return handed + [Completion(r.req.request_id, r.output_ids, r.logprobs, FINISH_EVICTED, r.submitted_at, now,
+                                    self.engine_id) for r in held]
 
     def active_request_ids(self) -> list[str]:
         return ([r.req.request_id for r in self._running] + [r.req.request_id for r in self._waiting]
@@ -272,6 +287,9 @@ class ReferenceEngine(RolloutEngine):
             return "empty prompt"
         if min(r.input_ids) < 0 or max(r.input_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
+        if len(r.resume_ids) != len(r.resume_logprobs) or len(r.resume_ids) >= p.max_new_tokens:
+            return (f"resumes {len(r.resume_ids)} tokens with {len(r.resume_logprobs)} log-probs; need equal "
+                    f"counts below max_new_tokens ({p.max_new_tokens})")
         if n + p.max_new_tokens > self.spec.max_position_embeddings:
             return (f"prompt ({n}) + max_new_tokens ({p.max_new_tokens}) exceeds the context "
                     f"{self.spec.max_position_embeddings}")
@@ -356,11 +374,16 @@ class ReferenceEngine(RolloutEngine):
         rows.block_table[idx, rows.n_pages[idx]] = torch.tensor([self._free_pages.pop() for _ in need])
         rows.n_pages[idx] += 1
 
-    def _preempt(self, i: int) -> None:
+    def _snapshot(self, i: int) -> None:
+        """Copy running row ``i``'s generated tokens into its request record."""
         r, rows = self._running[i], self._rows
         n = int(rows.n_gen[i])
         r.output_ids = rows.out_ids[i, :n].tolist()
         r.logprobs = rows.out_lp[i, :n].tolist()
+
+    def _preempt(self, i: int) -> None:
+        r = self._running[i]
+        self._snapshot(i)
         self._free_row_pages(i)
         self._drop_rows([i])
         self._waiting.appendleft(r)

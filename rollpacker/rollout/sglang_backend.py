@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import (FINISH_ABORT, MEMORY_TAGS, Completion, EngineStats, GenerationRequest,
+from rollpacker.rollout.engine import (FINISH_ABORT, FINISH_EVICTED, MEMORY_TAGS, Completion, EngineStats, GenerationRequest,
                                        RequestError, RolloutEngine, SamplingParams)
 
 SGLANG_VERSION = "0.5.23"
@@ -190,6 +191,8 @@ class SGLangEngine(RolloutEngine):
         self._stats = EngineStats()
         self._active: dict[str, float] = {}  # request id -> submitted_at
         self._aborted: set[str] = set()
+        self._evicting: set[str] = set()
+        self._resumed: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}  # continuation prefixes
         self._results: queue.Queue[Completion | _Failure] = queue.Queue()
         self._busy_since: float | None = None
         if not self.is_leader:
@@ -269,6 +272,39 @@ class SGLangEngine(RolloutEngine):
             self._loop.call(lambda: self._call("TokenizerManager.abort_request", rid="", abort_all=True))
         self._update_busy()
 
+    def evict(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> list[Completion]:
+        """Abort the requests and collect what SGLang returns for each: the output so far
+        (finish reason "abort"), or the whole output of one that finished meanwhile."""
+        self._require_leader()
+        ids = [rid for rid in request_ids if rid in self._active]
+        for rid in ids:
+            self._evicting.add(rid)
+            self._loop.call(lambda rid=rid: self._call("TokenizerManager.abort_request", rid=rid, abort_all=False))
+        handed: list[Completion] = []
+        others: list[Completion | _Failure] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(handed) < len(ids):
+                item = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                if item.request_id not in self._evicting:
+                    others.append(item)
+                    continue
+                self._evicting.discard(item.request_id)
+                submitted_at = self._active.pop(item.request_id)
+                if isinstance(item, _Failure):  # nothing came back: only what it resumed from survives
+                    prefix_ids, prefix_lps = self._resumed.pop(item.request_id, ((), ()))
+                    item = Completion(item.request_id, list(prefix_ids), list(prefix_lps), FINISH_EVICTED,
+                                      submitted_at, time.monotonic(), self.engine_id)
+                handed.append(item)
+        except queue.Empty:
+            raise TimeoutError(f"engine {self.engine_id}: SGLang did not return evicted requests "
+                               f"{sorted(self._evicting)} within {timeout_s}s") from None
+        finally:
+            for item in others:
+                self._results.put(item)
+        self._update_busy()
+        return handed
+
     def active_request_ids(self) -> list[str]:
         return list(self._active)
 
@@ -327,19 +363,35 @@ class SGLangEngine(RolloutEngine):
             return str(exc)
         if not r.input_ids:
             return "empty prompt"
+        if len(r.resume_ids) != len(r.resume_logprobs) or len(r.resume_ids) >= r.params.max_new_tokens:
+            return (f"resumes {len(r.resume_ids)} tokens with {len(r.resume_logprobs)} log-probs; need equal "
+                    f"counts below max_new_tokens ({r.params.max_new_tokens})")
         if r.request_id in self._active:
             return "a request with this id is already in flight"
         return None
 
     async def _generate(self, r: GenerationRequest, submitted_at: float) -> None:
+        # A resumed request is a continuation: its tokens so far join the prompt (SGLang rebuilds
+        # their KV by prefill) and are put back in front of the output. SGLang restarts the
+        # seeded stream at the continuation, so unlike the reference engine the rest of the
+        # response is a different (equally valid) sample than an unmigrated request would give.
+        if r.resume_ids:
+            self._resumed[r.request_id] = (tuple(r.resume_ids), tuple(r.resume_logprobs))
+        params = dataclasses.replace(r.params, max_new_tokens=r.params.max_new_tokens - len(r.resume_ids))
         try:
-            out = await self._call("Engine.async_generate", input_ids=list(r.input_ids),
-                                   sampling_params=sampling_params(r.params), return_logprob=True,
+            out = await self._call("Engine.async_generate", input_ids=[*r.input_ids, *r.resume_ids],
+                                   sampling_params=sampling_params(params), return_logprob=True,
                                    rid=r.request_id)
             c = completion(r.request_id, out, submitted_at, self.engine_id)
+            prefix_ids, prefix_lps = self._resumed.pop(r.request_id, ((), ()))
+            c.output_ids, c.logprobs = [*prefix_ids, *c.output_ids], [*prefix_lps, *c.logprobs]
             self._stats.preemptions += int(out["meta_info"].get("num_retractions", 0))
-            self._results.put(_Failure(r.request_id, RuntimeError("aborted by SGLang"))
-                              if c.finish_reason == FINISH_ABORT else c)
+            if c.finish_reason == FINISH_ABORT and r.request_id in self._evicting:
+                c.finish_reason = FINISH_EVICTED
+                self._results.put(c)
+            else:
+                self._results.put(_Failure(r.request_id, RuntimeError("aborted by SGLang"))
+                                  if c.finish_reason == FINISH_ABORT else c)
         except Exception as exc:  # an aborted request may end in an exception; poll sorts it out
             self._results.put(_Failure(r.request_id, exc))
 

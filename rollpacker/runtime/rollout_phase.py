@@ -8,49 +8,85 @@ round, chosen by the layout of the round's TP size:
 - the leader of an engine serves it to the coordinator (``EngineServer``);
 - a non-leader rank of a TP group mirrors its leader's forwards.
 
-When the round ends the coordinator stops every server, each leader releases
-its followers, and the kept groups are broadcast to all ranks for training.
+In a long round the coordinator may stop an engine's server midway and hand
+its ranks to the stream trainer (``StreamFeed``): those ranks then train on
+the groups fed to them until the round ends. When the round ends the
+coordinator stops every other server and each leader releases its followers.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from rollpacker.coordinator import EngineServer, Endpoint, RemoteEngine
+from rollpacker.coordinator import ROUND_END, TO_TRAINING, EngineServer, GroupFeed, GroupInbox, RemoteEngine, \
+    exchange_endpoints
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.runtime.engines import EngineSets
+from rollpacker.runtime.streaming import StreamFeed, stream_train
 from rollpacker.sample import Sample
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
 from rollpacker.scheduler.round import RoundPlan, RoundResult
+from rollpacker.trainer.stream import StreamTrainer
 
 
 class RolloutPhase:
-    def __init__(self, engines: EngineSets, endpoints: list[Endpoint], *, scheduler: Scheduler | None,
-                 reward: PoolRewardSink | None):
-        self.engines, self.endpoints = engines, endpoints
+    def __init__(self, engines: EngineSets, *, scheduler: Scheduler | None, reward: PoolRewardSink | None,
+                 replica_of: list[int] | None = None, trigger: tuple[float, float] = (0.2, 0.5)):
+        """``replica_of``: each rank's training replica, to stream-train long rounds (None: never)."""
+        self.engines = engines
         self.rank = dist.get_rank()
         self.scheduler, self.reward = scheduler, reward  # rank 0 only
-        self.server = EngineServer(endpoints[self.rank].address)
+        self.server, self.inbox = EngineServer(), GroupInbox()
+        self.endpoints = exchange_endpoints(self.server.port, self.inbox.port)
         self._proxies: dict[tuple[int, int], RemoteEngine] = {}
+        self.streaming = None
+        if self.rank == 0 and replica_of is not None:
+            self.streaming = StreamFeed(GroupFeed(self.endpoints), replica_of, low=trigger[0], high=trigger[1],
+                                        stop_engine=self._hand_to_training)
+        self.streamed: list[list[Sample]] = []  # rank 0: groups trained during the last round
 
-    def run(self, plan: RoundPlan | None) -> RoundResult | None:
-        """Collective over the world: the round's result on rank 0, None elsewhere."""
+    def run(self, plan: RoundPlan | None) -> tuple[RoundResult | None, bool]:
+        """Collective over the world: (the round's result on rank 0, else None;
+        whether this rank was handed to training during the round)."""
         layout, engine = self.engines.layout, self.engines.active
+        result, reason = None, ROUND_END
         if self.rank == 0:
             round_engines = [engine if leader == 0 else self._proxy(layout.tp, eid, leader)
                              for eid, leader in enumerate(layout.leaders)]
-            result = self.scheduler.run_round(plan, round_engines, self.reward, clock=RealClock())
-            for remote in round_engines[1:]:
-                remote.stop_serving()
+            feed = self.streaming
+            result = self.scheduler.run_round(plan, round_engines, self.reward, clock=RealClock(),
+                                              on_group_done=feed.group_done if feed else None,
+                                              handoff=feed.policy(layout) if feed else None)
+            for eid, remote in enumerate(round_engines[1:], start=1):
+                if not (feed and feed.released(eid)):
+                    remote.stop_serving(ROUND_END)
+            self.streamed = feed.end_round() if feed else []
         elif layout.is_leader:
-            self.server.serve(engine)
-            result = None
+            reason = self.server.serve(engine)
         else:
             engine.serve_follower()
-            return None
         if layout.tp > 1:
-            engine.stop_followers()
-        return result
+            if layout.is_leader:
+                engine.stop_followers()
+            box = [reason]  # followers learn from their leader whether the round ended or they train
+            dist.broadcast_object_list(box, src=layout.leader, group=layout.group)
+            reason = box[0]
+        return result, reason == TO_TRAINING
+
+    def stream_train(self, stream: StreamTrainer) -> int:
+        """On a rank handed to training: consume the groups fed to it until the rollout ends."""
+        return stream_train(self.inbox, stream)
+
+    def unstreamed(self, result: RoundResult | None) -> list[list[Sample]] | None:
+        """Rank 0: the round's groups that no rank trained during rollout."""
+        if result is None:
+            return None
+        done = {id(g) for g in self.streamed}
+        return [g for g in result.groups if id(g) not in done]
+
+    def _hand_to_training(self, engine_id: int) -> None:
+        layout = self.engines.layout
+        self._proxy(layout.tp, engine_id, layout.leaders[engine_id]).stop_serving(TO_TRAINING)
 
     def _proxy(self, tp: int, engine_id: int, leader: int) -> RemoteEngine:
         key = (tp, engine_id)
@@ -61,11 +97,14 @@ class RolloutPhase:
     def close(self) -> None:
         for proxy in self._proxies.values():
             proxy.shutdown()
+        if self.streaming:
+            self.streaming.feed.close()
         self.server.close()
+        self.inbox.close()
 
 
 def broadcast_groups(groups: list[list[Sample]] | None) -> list[list[Sample]]:
-    """Collective: rank 0's kept groups on every rank."""
+    """Collective: rank 0's groups on every rank."""
     box = [groups]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from megatron_ext.parallel import setup_layout
 from rollpacker.checkpoint import CheckpointManager
 from rollpacker.configlib import to_dict
-from rollpacker.coordinator import exchange_endpoints
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
 from rollpacker.phases import Phase, PhaseMachine
@@ -26,6 +26,7 @@ from rollpacker.runtime.ledger import PromptLedger
 from rollpacker.runtime.preflight import Preflight
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.runtime.rollout_phase import RolloutPhase, broadcast_groups
+from rollpacker.runtime.streaming import replica_of_ranks
 from rollpacker.runtime.world import World
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.round import RoundPlan, RoundResult
@@ -57,7 +58,15 @@ class Run:
                                   stop_token_ids=[pre.tokenizer.eos_token_id],
                                   async_reward=cfg.reward.async_scoring)
         self.scheduler = scheduler
-        self.rollout_phase = RolloutPhase(self.engines, exchange_endpoints(), scheduler=scheduler, reward=sink)
+        long_engines = world.size // (planner.long_tp if planner.enabled else cfg.rollout.tp)
+        if cfg.trainer.stream and long_engines < 2 and world.rank == 0:
+            log.warning("trainer.stream: long rounds run %d engine(s) over %d ranks, so none can leave for the "
+                        "stream trainer; streaming needs >= 2 long-round engines (a smaller long-round TP)",
+                        long_engines, world.size)
+        # a rank's training replica decides whether its engine may leave a long round to stream-train
+        replica_of = replica_of_ranks(layout.dp_rank) if cfg.trainer.stream else None
+        self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=sink, replica_of=replica_of,
+                                          trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
         self.seconds: dict[str, float] = {}
 
     # --- resume ----------------------------------------------------------------------------------
@@ -82,6 +91,7 @@ class Run:
     # --- the phases of a step --------------------------------------------------------------------
     def plan_round(self) -> RoundPlan | None:
         """Rank 0 plans the round; every rank selects the engine set of the round's TP size."""
+        self._step_started = time.monotonic()
         plan = self.scheduler.plan_round() if self.coordinator else None
         box = [plan.tp if plan else None]
         dist.broadcast_object_list(box, src=0)
@@ -97,21 +107,29 @@ class Run:
             self.seconds["sync/max_abs_diff"] = self.engines.max_weight_diff(self.trainer.iter_hf_tensors())
 
     def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
+        """The round; a rank whose engine is handed to the stream trainer trains from then on."""
         self.phases.to(Phase.ROLLOUT)
         layout = self.engines.layout
         role = "rollout" if self.coordinator else "serve" if layout.is_leader else "follow"
         with self._timed(role):
-            return self.rollout_phase.run(plan)
+            result, to_training = self.rollout_phase.run(plan)
+        if to_training:
+            self.phases.to(Phase.TRAIN)
+            with self._timed("stream_train"):
+                self.rollout_phase.stream_train(self.trainer.stream)
+        return result
 
     def train(self, result: RoundResult | None) -> dict[str, float]:
+        """Train on the groups not streamed during rollout, then take the step's one optimizer step."""
         self.phases.to(Phase.TRAIN)
         with self._timed("train"):
-            groups = broadcast_groups(result.groups if result else None)
+            groups = broadcast_groups(self.rollout_phase.unstreamed(result))
             # Groups arrive in completion order, which depends on timing; a canonical order
             # makes the update bit-reproducible (a resumed run repeats the uninterrupted one).
             groups = sorted((sorted(g, key=lambda s: s.response_index) for g in groups),
                             key=lambda g: (g[0].prompt.epoch, g[0].prompt.uid))
-            return self.trainer.train_step(groups)
+            self.trainer.begin_step()
+            return self.trainer.finish_step(groups)
 
     def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
         """Metrics, timeline, ledger and checkpoint; returns True when the run must stop now."""
@@ -121,6 +139,7 @@ class Run:
         if stop or (every and step % every == 0) or step == self.cfg.run.steps:
             with self._timed("checkpoint"):
                 self.save(step)
+        self.seconds["time/step_s"] = time.monotonic() - self._step_started  # wall time, checkpoint included
         if self.coordinator:
             image = plot_timeline(spans, self.run_dir / "timeline" / f"step_{step:06d}.png", f"step {step}")
             self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
@@ -170,6 +189,8 @@ class Run:
             "rollout_s": s.rollout_seconds, "reward_s": s.reward_seconds, "bubble_fraction": s.bubble_fraction,
             "generated_tokens": s.generated_tokens, "wasted_tokens": s.wasted_tokens, "preemptions": s.preemptions,
             "queue_length": s.queue_length, "deferred_prompts": s.deferred_prompts,
+            "migrated_requests": s.migrated_requests, "migrated_tokens": s.migrated_tokens,
+            "handoff_fraction": s.handoff_fraction, "streamed_groups": len(self.rollout_phase.streamed),
             "filtered_prompts": s.filtered_prompts,
             "response_len_p50": float(np.percentile(lengths, 50)), "response_len_p90": float(np.percentile(lengths, 90)),
             "response_len_p99": float(np.percentile(lengths, 99)), "response_len_max": int(lengths.max()),

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngine
+from rollpacker.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
 from rollpacker.scheduler.protocols import EventSource
 
@@ -44,6 +44,7 @@ class EngineDriver:
         self._prompt_tokens = [0] * len(engines)
         self._tokens_of: dict[str, int] = {}
         self._next_blocking = 0
+        self._retired: dict[int, tuple[float, EngineStats]] = {}  # engine -> (when, its final stats)
         # slot accounting
         self._start = clock.now()
         self._last = self._start
@@ -64,7 +65,8 @@ class EngineDriver:
         """Send each request to the engine with the fewest outstanding requests
         (then fewest outstanding prompt tokens); one prompt's responses spread."""
         self._account()
-        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._prompt_tokens))]
+        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._prompt_tokens))
+                if i not in self._retired]
         heapq.heapify(heap)
         batches: dict[int, list[GenerationRequest]] = defaultdict(list)
         for req in requests:
@@ -73,12 +75,12 @@ class EngineDriver:
             load, toks, i = heapq.heappop(heap)
             batches[i].append(req)
             self._owner[req.request_id] = i
-            self._tokens_of[req.request_id] = len(req.input_ids)
-            heapq.heappush(heap, (load + 1, toks + len(req.input_ids), i))
+            self._tokens_of[req.request_id] = len(req.input_ids) + len(req.resume_ids)
+            heapq.heappush(heap, (load + 1, toks + self._tokens_of[req.request_id], i))
         for i, batch in batches.items():
             self._engines[i].submit(batch)
             self._load[i] += len(batch)
-            self._prompt_tokens[i] += sum(len(r.input_ids) for r in batch)
+            self._prompt_tokens[i] += sum(self._tokens_of[r.request_id] for r in batch)
             self._peak[i] = max(self._peak[i], self._load[i])
 
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -90,15 +92,34 @@ class EngineDriver:
         for i, ids in by_engine.items():
             self._engines[i].abort(ids)
 
+    def retire(self, indices: Sequence[int]) -> list[Completion]:
+        """Take engines out of the round: every request outstanding on them is evicted and
+        handed back (finished ones as they are, the rest to be resubmitted elsewhere);
+        they get no more work and are not called again."""
+        self._account()
+        handed: list[Completion] = []
+        for i in indices:
+            ids = [rid for rid, owner in self._owner.items() if owner == i]
+            for rid in ids:
+                self._release(rid)
+            handed += self._engines[i].evict(ids) if ids else []
+            self._retired[i] = (self._clock.now(), self._engines[i].stats())
+        return handed
+
+    def active_stats(self) -> list[EngineStats]:
+        """Each engine's stats; a retired engine reports nothing in use and no capacity."""
+        return [EngineStats() if i in self._retired else e.stats() for i, e in enumerate(self._engines)]
+
     def poll(self) -> list[Completion]:
         """Advance the engines; return the completions of outstanding requests."""
+        active = [e for i, e in enumerate(self._engines) if i not in self._retired]
         if self._virtual:
             self._advance_virtual_clock()
-            raw = [c for e in self._engines for c in e.poll(0.0)]
+            raw = [c for e in active for c in e.poll(0.0)]
         else:
-            raw = [c for e in self._engines for c in e.poll(0.0)]
+            raw = [c for e in active for c in e.poll(0.0)]
             if not raw and self._owner:
-                engine = self._engines[self._next_blocking % len(self._engines)]
+                engine = active[self._next_blocking % len(active)]
                 self._next_blocking += 1
                 raw = engine.poll(self._idle_poll_s)
         self._account()
@@ -118,19 +139,23 @@ class EngineDriver:
             time.sleep(self._idle_poll_s)
 
     def bubble_fraction(self) -> float:
+        """A retired engine's slots count only until it left the round (its ranks then train)."""
         self._account()
-        slot_seconds = sum(self._peak) * (self._last - self._start)
+        slot_seconds = sum(peak * ((self._retired[i][0] if i in self._retired else self._last) - self._start)
+                           for i, peak in enumerate(self._peak))
         return 0.0 if slot_seconds <= 0 else max(0.0, 1.0 - self._busy_slot_seconds / slot_seconds)
 
     def counters(self) -> tuple[int, int]:
         """(preemptions, generated tokens) since this driver was created."""
-        stats = [e.stats() for e in self._engines]
+        stats = [self._retired[i][1] if i in self._retired else e.stats() for i, e in enumerate(self._engines)]
         pre = sum(s.preemptions for s in stats) - sum(self._preemptions0)
         toks = sum(s.tokens_generated for s in stats) - sum(self._tokens0)
         return pre, toks
 
     def _advance_virtual_clock(self) -> None:
-        times = [t for t in (s.next_event_time() for s in self._event_sources) if t is not None]
+        retired = {id(self._engines[i]) for i in self._retired}
+        times = [t for t in (s.next_event_time() for s in self._event_sources if id(s) not in retired)
+                 if t is not None]
         if not times:
             raise StalledError(f"{self.outstanding} requests outstanding but no simulated event is scheduled")
         now = self._clock.now()

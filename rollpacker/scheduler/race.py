@@ -12,6 +12,10 @@ one whose last responses had finished but were not yet scored. A baseline or
 long round launches exactly ``r0`` responses for ``target_groups`` prompts,
 so it closes only when every response has finished.
 
+A long round may hand engines to the stream trainer midway (``handoff``, see
+handoff.py): their requests are evicted and resubmitted to the engines that
+stay with the tokens generated so far, under the same request ids.
+
 With synchronous reward (the "reward after rollout" ablation), a group
 completes on generation alone and the kept samples are scored in one stage
 after the round closes; ``on_group_done`` then fires after that stage.
@@ -24,10 +28,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rollpacker.rollout.engine import FINISH_ABORT, Completion, GenerationRequest, SamplingParams
+from rollpacker.rollout.engine import FINISH_ABORT, FINISH_EVICTED, Completion, GenerationRequest, SamplingParams
 from rollpacker.sample import Prompt, Sample
 from rollpacker.scheduler.clock import Clock
 from rollpacker.scheduler.dispatch import EngineDriver, StalledError
+from rollpacker.scheduler.handoff import HandoffTrigger
 from rollpacker.scheduler.protocols import RewardSink, ScoreFuture
 from rollpacker.scheduler.round import RoundPlan, RoundResult, RoundStats
 
@@ -58,7 +63,7 @@ class RoundRunner:
                  sampling: SamplingParams, async_reward: bool,
                  keeps: Callable[[list[Sample]], bool],
                  replacement: Callable[[], Prompt | None],
-                 on_group_done: GroupCallback | None) -> None:
+                 on_group_done: GroupCallback | None, handoff: HandoffTrigger | None = None) -> None:
         if plan.n_responses < r0:
             raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={r0}")
         self.plan, self.r0, self.driver, self.reward, self.clock = plan, r0, driver, reward, clock
@@ -69,6 +74,10 @@ class RoundRunner:
         self.kept: list[list[Sample]] = []
         self.filtered: list[Prompt] = []
         self.scoring_groups: set[int] = set()  # indices into self.groups with futures pending
+        self.handoff = handoff
+        self.requests: dict[str, GenerationRequest] = {}
+        self.finished = [0, 0]  # requests finished generating, their response tokens
+        self.migrated = [0, 0]  # requests moved off released engines, the tokens they carried
 
     def run(self) -> RoundResult:
         start = self.clock.now()
@@ -78,6 +87,7 @@ class RoundRunner:
             if self.driver.outstanding:
                 for completion in self.driver.poll():
                     self._on_completion(completion)
+                self._maybe_hand_off()
             elif self.scoring_groups:
                 self.driver.wait_for_time()
             else:
@@ -103,13 +113,31 @@ class RoundRunner:
             params = dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, self.plan.index,
                                                                           sample.request_id))
             requests.append(GenerationRequest(sample.request_id, prompt.input_ids, params))
+            self.requests[sample.request_id] = requests[-1]
         self.driver.submit(requests)
+
+    def _maybe_hand_off(self) -> None:
+        if self.handoff is None:
+            return
+        released = self.handoff.decide(*self.finished, running=self.driver.outstanding, stats=self.driver.active_stats)
+        if not released:
+            return
+        handed = self.driver.retire(released)
+        partials = [c for c in handed if c.finish_reason == FINISH_EVICTED]
+        self.driver.submit(self.requests[c.request_id].resumed_from(c) for c in partials)
+        self.migrated = [len(partials), sum(len(c.output_ids) for c in partials)]
+        self.handoff.policy.on_release(released)
+        for c in handed:
+            if c.finish_reason != FINISH_EVICTED:
+                self._on_completion(c)
 
     def _on_completion(self, c: Completion) -> None:
         group, sample = self.by_request[c.request_id]
         group.open.discard(c.request_id)
         if group.complete or c.finish_reason == FINISH_ABORT or self._closed():
             return
+        self.finished[0] += 1
+        self.finished[1] += len(c.output_ids)
         sample.response_ids = list(c.output_ids)
         sample.rollout_logprobs = list(c.logprobs)
         sample.finish_reason = c.finish_reason
@@ -182,6 +210,9 @@ class RoundRunner:
             kept_prompts=len(self.kept),
             filtered_prompts=len(self.filtered),
             deferred_prompts=len(deferred),
+            migrated_requests=self.migrated[0],
+            migrated_tokens=self.migrated[1],
+            handoff_fraction=self.handoff.fired_at if self.handoff and self.handoff.fired_at is not None else 0.0,
         )
         return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered, deferred, stats)
 

@@ -54,6 +54,9 @@ class RoundStats:
     filtered_prompts: int = 0  # dynamic sampling: zero-variance groups dropped
     deferred_prompts: int = 0  # pushed to the long-prompt queue by this round
     queue_length: int = 0  # long-prompt queue after this round
+    migrated_requests: int = 0  # moved off engines handed to the stream trainer
+    migrated_tokens: int = 0  # tokens those requests had generated (kept; their KV rebuilt)
+    handoff_fraction: float = 0.0  # share of the round's requests done at the hand-off (0: none)
 
     @property
     def round_seconds(self) -> float:

@@ -22,12 +22,13 @@ from rollpacker.rollout.engine import RolloutEngine, SamplingParams
 from rollpacker.scheduler.clock import Clock
 from rollpacker.scheduler.config import SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.modes import make_policy
 from rollpacker.scheduler.planner import ParallelismPlanner, TPProfile
 from rollpacker.scheduler.protocols import PromptSource, RewardSink
 from rollpacker.scheduler.queue import LongPromptQueue
 from rollpacker.scheduler.race import GroupCallback, RoundRunner
-from rollpacker.scheduler.round import RoundPlan, RoundResult
+from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult
 
 _COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred")
 
@@ -74,9 +75,10 @@ class Scheduler:
         return self._pending
 
     def run_round(self, plan: RoundPlan, engines: Sequence[RolloutEngine], reward: RewardSink, *, clock: Clock,
-                  on_group_done: GroupCallback | None = None) -> RoundResult:
+                  on_group_done: GroupCallback | None = None, handoff: HandoffPolicy | None = None) -> RoundResult:
         """Run ``plan`` to P0 kept groups; ``on_group_done(group)`` fires as each
-        group is kept (after the reward stage in synchronous-reward mode)."""
+        group is kept (after the reward stage in synchronous-reward mode).
+        ``handoff``: in a long round, when and which engines go to the stream trainer."""
         if plan is not self._pending:
             raise RuntimeError("run_round needs the plan returned by the last plan_round")
         if len(engines) * plan.tp != self.rollout_ranks:
@@ -87,7 +89,9 @@ class Scheduler:
             plan, r0=self.cfg.r0, driver=driver, reward=reward, clock=clock, sampling=self.sampling,
             async_reward=self.async_reward, keeps=self.policy.keeps,
             replacement=lambda: self.policy.replacement(plan.kind, self.queue, self.source),
-            on_group_done=on_group_done)
+            on_group_done=on_group_done,
+            handoff=(HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, len(engines))
+                     if handoff is not None and plan.kind is RoundKind.LONG else None))
         result = runner.run()
         self._pending = None
         self.queue.push(result.deferred)

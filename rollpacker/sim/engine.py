@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from rollpacker.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
+from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
 from rollpacker.scheduler.clock import VirtualClock
 from rollpacker.sim.perf import PerfModel
@@ -45,7 +45,7 @@ class _Request:
 
 
 class SimEngine(RolloutEngine):
-    def __init__(self, perf: PerfModel, clock: VirtualClock, response_length: Callable[[str], int], *,
+    def __init__(self, perf: PerfModel, clock: VirtualClock, response_length: Callable[[GenerationRequest], int], *,
                  engine_id: int = 0, max_running: int = 1024, admit_fraction: float = 0.9,
                  kv_capacity_tokens: int | None = None) -> None:
         self.perf, self.clock, self.response_length = perf, clock, response_length
@@ -75,10 +75,11 @@ class SimEngine(RolloutEngine):
             if len(req.input_ids) + req.params.max_new_tokens > self.capacity:
                 raise RequestError(f"request {req.request_id}: prompt {len(req.input_ids)} + max_new_tokens "
                                    f"{req.params.max_new_tokens} exceeds the KV capacity {self.capacity}")
-            length = self.response_length(req.request_id)
+            length = self.response_length(req)
             target = min(length, req.params.max_new_tokens)
             reason = FINISH_LENGTH if length >= req.params.max_new_tokens else FINISH_STOP
-            self.waiting.append(_Request(req.request_id, len(req.input_ids), target, reason, self.clock.now()))
+            self.waiting.append(_Request(req.request_id, len(req.input_ids), target, reason, self.clock.now(),
+                                         generated=min(len(req.resume_ids), target)))
             active.add(req.request_id)
         self._wake()
 
@@ -95,6 +96,24 @@ class SimEngine(RolloutEngine):
         self.waiting = collections.deque(r for r in self.waiting if r.rid not in ids)
         self._done = [c for c in self._done if c.request_id not in ids]
         self._wake()
+
+    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
+        self._advance(self.clock.now())
+        ids = set(request_ids)
+        handed = [c for c in self._done if c.request_id in ids]
+        held = []
+        for rid in ids & self.running.keys():
+            req = self.running.pop(rid)
+            self._evict(req)
+            req.generated += self.step - req.admit_step
+            held.append(req)
+        held += [r for r in self.waiting if r.rid in ids]
+        self.waiting = collections.deque(r for r in self.waiting if r.rid not in ids)
+        self._done = [c for c in self._done if c.request_id not in ids]
+        self._wake()
+        return handed + [Completion(r.rid, [0] * r.generated, [0.0] * r.generated, FINISH_EVICTED,
+                                    submitted_at=r.submitted_at, finished_at=self.t, engine_id=self.engine_id)
+                         for r in held]
 
     def active_request_ids(self) -> list[str]:
         return [*self.running, *(r.rid for r in self.waiting), *(c.request_id for c in self._done)]

@@ -17,6 +17,8 @@ published traces.
 """
 from __future__ import annotations
 
+from rollpacker.rollout.engine import GenerationRequest
+
 import json
 import random
 from collections import Counter
@@ -89,23 +91,32 @@ def longtail_trace(num_prompts: int, *, samples: int, median: float, limit: int,
 
 
 class LengthOracle:
-    """How long the response of a request will be, from its request id.
+    """How long the response of a request will be.
 
     The first attempt at response r of a prompt is the trace's r-th sample;
     a prompt run again (deferred, or in a later epoch) draws fresh samples,
     with replacement, from its own list, as regeneration from scratch would.
+    An attempt is a (request id, sampling seed) pair: a request resubmitted
+    under the same seed (migrated to another engine) continues the same
+    response, so it keeps its length.
     """
 
     def __init__(self, trace: list[PromptLengths], seed: int = 0) -> None:
         self.trace = trace
         self.seed = seed
         self._attempts: Counter[tuple[int, int]] = Counter()
+        self._attempt_of: dict[tuple[str, int], int] = {}
 
-    def __call__(self, request_id: str) -> int:
-        key = parse_request_id(request_id)
+    def __call__(self, request: GenerationRequest) -> int:
+        key = parse_request_id(request.request_id)
+        seed = request.params.seed
+        attempt = self._attempt_of.get((request.request_id, seed)) if seed is not None else None
+        if attempt is None:
+            attempt = self._attempts[key]
+            self._attempts[key] += 1
+            if seed is not None:
+                self._attempt_of[request.request_id, seed] = attempt
         lengths = self.trace[key[0]].lengths
-        attempt = self._attempts[key]
-        self._attempts[key] += 1
         if attempt == 0 and key[1] < len(lengths):
             return lengths[key[1]]
         return random.Random(f"{self.seed}/{key}/{attempt}").choice(lengths)

@@ -81,6 +81,11 @@ class StreamTrainer:
 
     # -- one step -----------------------------------------------------------------------------------
 
+    @property
+    def is_open(self) -> bool:
+        """A step has begun and not finished."""
+        return self._open
+
     def begin(self) -> None:
         """Start a step: zero gradients and counters."""
         self.backend.zero_grad()

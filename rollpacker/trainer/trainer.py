@@ -57,6 +57,11 @@ class Trainer:
         self.stream.begin()
         return self.finish_step(groups)
 
+    def begin_step(self) -> None:
+        """Start the step's gradient accumulation, unless a stream hand-off already started it."""
+        if not self.stream.is_open:
+            self.stream.begin()
+
     def finish_step(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """End a streamed step (after ``stream.begin()`` / ``stream.consume(...)``); see StreamTrainer.finish."""
         metrics = self.stream.finish(remaining)

@@ -1,0 +1,119 @@
+"""The stream trainer's side of a long round (DESIGN §4), as the program runs it.
+
+Rank 0 decides, through the scheduler's ``HandoffPolicy``, when engines leave
+the round; this module says *which* engines may leave and feeds their ranks.
+An engine may leave only if its ranks are whole training replicas (every
+rank of a replica's TP/PP/CP group inside it) and it is not rank 0's own.
+From the hand-off on, each group the round keeps goes at once to the
+replica with the fewest tokens so far (groups kept before the hand-off go
+first); every rank of that replica receives it and runs forward/backward on
+it. When the round ends the replicas are told so, and the groups nobody
+streamed are trained by everyone in the step's ``finish``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch.distributed as dist
+
+from rollpacker.coordinator import GroupFeed, GroupInbox
+from rollpacker.runtime.world import RolloutLayout
+from rollpacker.sample import Sample
+from rollpacker.scheduler.handoff import HandoffPolicy
+from rollpacker.trainer.packing import sequence_length
+from rollpacker.trainer.stream import StreamTrainer
+
+Group = list[Sample]
+
+
+def _key(group: Group) -> tuple[int, int]:
+    return group[0].prompt.epoch, group[0].prompt.uid
+
+
+class StreamFeed:
+    """Rank 0: hands engines to training mid-round and streams kept groups to their ranks."""
+
+    def __init__(self, feed: GroupFeed, replica_of: Sequence[int], *, low: float, high: float,
+                 stop_engine: Callable[[int], None]):
+        self.feed, self.replica_of, self.low, self.high = feed, list(replica_of), low, high
+        self.stop_engine = stop_engine  # ends the engine's server loop: its ranks go to training
+        self._start_round(None)
+
+    def policy(self, layout: RolloutLayout) -> HandoffPolicy | None:
+        """This round's hand-off policy, or None when no engine can leave."""
+        self._start_round(layout)
+        candidates = tuple(e for e in reversed(range(1, len(layout.leaders))) if self._whole_replicas(layout, e))
+        if not candidates:
+            return None
+        return HandoffPolicy(candidates=candidates, on_release=self._release, low=self.low, high=self.high)
+
+    def group_done(self, group: Group) -> None:
+        if self._replicas:
+            self._send(group)
+        else:
+            self._waiting.append(group)
+
+    def end_round(self) -> list[Group]:
+        """Tell the training replicas the rollout is over; returns the groups they trained."""
+        for ranks in self._replicas:
+            self.feed.send(ranks, None)
+        streamed = self._streamed
+        self._start_round(None)
+        return streamed
+
+    def released(self, engine_id: int) -> bool:
+        return engine_id in self._released
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _start_round(self, layout: RolloutLayout | None) -> None:
+        self._layout = layout
+        self._replicas: list[list[int]] = []  # ranks of each replica now training
+        self._tokens: list[int] = []
+        self._waiting: list[Group] = []
+        self._streamed: list[Group] = []
+        self._released: set[int] = set()
+
+    def _members(self, layout: RolloutLayout, engine_id: int) -> list[int]:
+        return list(range(engine_id * layout.tp, (engine_id + 1) * layout.tp))
+
+    def _whole_replicas(self, layout: RolloutLayout, engine_id: int) -> bool:
+        ranks = set(self._members(layout, engine_id))
+        replicas = {self.replica_of[r] for r in ranks}
+        return all(r in ranks for r, rep in enumerate(self.replica_of) if rep in replicas)
+
+    def _release(self, engine_ids: list[int]) -> None:
+        for e in engine_ids:
+            self.stop_engine(e)
+            self._released.add(e)
+            ranks = self._members(self._layout, e)
+            for rep in sorted({self.replica_of[r] for r in ranks}):
+                self._replicas.append([r for r in ranks if self.replica_of[r] == rep])
+                self._tokens.append(0)
+        waiting, self._waiting = self._waiting, []
+        for group in waiting:
+            self._send(group)
+
+    def _send(self, group: Group) -> None:
+        i = min(range(len(self._replicas)), key=self._tokens.__getitem__)
+        self.feed.send(self._replicas[i], group)
+        self._tokens[i] += sum(sequence_length(s) for s in group)
+        self._streamed.append(group)
+
+
+def stream_train(inbox: GroupInbox, stream: StreamTrainer) -> int:
+    """A rank handed to training mid-round: forward/backward on each group fed to it until the
+    rollout ends; gradients stay local until the step's ``finish``. Returns the groups trained."""
+    stream.begin()
+    n = 0
+    while (group := inbox.receive()) is not None:
+        stream.consume([group])
+        n += 1
+    stream.end_rollout()
+    return n
+
+
+def replica_of_ranks(dp_rank: int) -> list[int]:
+    """Collective: every rank's training replica (its data-parallel rank: TP, PP and CP peers share one)."""
+    everyone: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dp_rank)
+    return [int(x) for x in everyone]
