@@ -24,7 +24,6 @@ from typing import Any, Iterable, Sequence
 import torch.distributed as dist
 import zmq
 
-from rollpacker.sample import Sample
 from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RequestError,
                                        RolloutEngine)
 
@@ -187,16 +186,29 @@ class GroupInbox:
         self._sock = zmq.Context.instance().socket(zmq.PULL)
         self.port = _bind(self._sock, 64)
 
-    def receive(self) -> list[Sample] | None:
-        """The next finished prompt group; None when the round's rollout has ended."""
+    def receive(self) -> Any:
+        """The next message: a finished prompt group, None when the round's rollout has ended
+        (on rank 0: a training rank's acknowledgement)."""
         return self._sock.recv_pyobj()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a message arrives within ``timeout_s``."""
+        return bool(self._sock.poll(int(timeout_s * 1000)))
+
+    def drain(self) -> list[Any]:
+        """Every message already here, without waiting."""
+        out = []
+        while self._sock.poll(0):
+            out.append(self._sock.recv_pyobj())
+        return out
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
 
 class GroupFeed:
-    """The coordinator's end: pushes finished groups to ranks that stream-train.
+    """The coordinator's end: pushes finished groups to ranks that stream-train (they push
+    their acknowledgements back to rank 0's inbox the same way).
 
     PUSH/PULL keeps rank 0 from waiting on a trainer's forward/backward: a
     group is queued on the socket and the scheduler goes on at once.
@@ -206,7 +218,7 @@ class GroupFeed:
         self._endpoints = endpoints
         self._socks: dict[int, zmq.Socket] = {}
 
-    def send(self, ranks: Iterable[int], group: list[Sample] | None) -> None:
+    def send(self, ranks: Iterable[int], group: Any) -> None:
         """``group`` to each of ``ranks`` (one data-parallel replica); None ends their round."""
         for rank in ranks:
             if rank not in self._socks:

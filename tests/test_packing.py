@@ -107,3 +107,11 @@ def test_gpu_thd_hand_off_keeps_the_packing():
     assert params.qkv_format == "thd" and params.max_seqlen_q == mb.max_seqlen
     assert torch.equal(params.cu_seqlens_q, mb.cu_seqlens_unpadded)
     assert torch.equal(params.cu_seqlens_q_padded, mb.cu_seqlens)
+
+
+def test_balance_counts_each_bins_starting_load():
+    # a replica that streamed 10 tokens during rollout gets less of what is left
+    bins = balance([4, 3, 3, 2], 2, start=[10, 0])
+    loads = [10 + sum([4, 3, 3, 2][i] for i in bins[0]), sum([4, 3, 3, 2][i] for i in bins[1])]
+    assert bins[0] == [3] and loads == [12, 10]  # without the start it would take 6 of the 12
+    assert balance([4, 3, 3, 2], 2, start=[0, 0]) == balance([4, 3, 3, 2], 2)

@@ -41,8 +41,9 @@ class RolloutPhase:
         self._proxies: dict[tuple[int, int], RemoteEngine] = {}
         self.streaming = None
         if self.rank == 0 and replica_of is not None:
-            self.streaming = StreamFeed(GroupFeed(self.endpoints), replica_of, low=trigger[0], high=trigger[1],
-                                        stop_engine=self._hand_to_training)
+            self.streaming = StreamFeed(GroupFeed(self.endpoints), self.inbox, replica_of, low=trigger[0],
+                                        high=trigger[1], stop_engine=self._hand_to_training)
+        self._acks = GroupFeed(self.endpoints)  # a rank handed to training acknowledges each group to rank 0
         self.streamed: list[list[Sample]] = []  # rank 0: groups trained during the last round
 
     def run(self, plan: RoundPlan | None) -> tuple[RoundResult | None, bool]:
@@ -75,7 +76,7 @@ class RolloutPhase:
 
     def stream_train(self, stream: StreamTrainer) -> int:
         """On a rank handed to training: consume the groups fed to it until the rollout ends."""
-        return stream_train(self.inbox, stream)
+        return stream_train(self.inbox, stream, ack=lambda key: self._acks.send([0], key))
 
     def unstreamed(self, result: RoundResult | None) -> list[list[Sample]] | None:
         """Rank 0: the round's groups that no rank trained during rollout."""
@@ -99,6 +100,7 @@ class RolloutPhase:
             proxy.shutdown()
         if self.streaming:
             self.streaming.feed.close()
+        self._acks.close()
         self.server.close()
         self.inbox.close()
 

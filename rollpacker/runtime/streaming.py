@@ -4,14 +4,18 @@ Rank 0 decides, through the scheduler's ``HandoffPolicy``, when engines leave
 the round; this module says *which* engines may leave and feeds their ranks.
 An engine may leave only if its ranks are whole training replicas (every
 rank of a replica's TP/PP/CP group inside it) and it is not rank 0's own.
-From the hand-off on, each group the round keeps goes at once to the
-replica with the fewest tokens so far (groups kept before the hand-off go
-first); every rank of that replica receives it and runs forward/backward on
-it. When the round ends the replicas are told so, and the groups nobody
-streamed are trained by everyone in the step's ``finish``.
+From the hand-off on, kept groups (those kept before it first) go to the
+replica with the fewest tokens so far that has room in its window; every
+rank of that replica receives the group, runs forward/backward on it and
+acknowledges it. When the round ends the replicas are told so, and the
+groups nobody streamed are trained by every replica in the step's
+``finish``, balanced against what each already streamed.
 """
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from typing import Callable, Sequence
 
 import torch.distributed as dist
@@ -31,11 +35,17 @@ def _key(group: Group) -> tuple[int, int]:
 
 
 class StreamFeed:
-    """Rank 0: hands engines to training mid-round and streams kept groups to their ranks."""
+    """Rank 0: hands engines to training mid-round and streams kept groups to their ranks.
 
-    def __init__(self, feed: GroupFeed, replica_of: Sequence[int], *, low: float, high: float,
-                 stop_engine: Callable[[int], None]):
-        self.feed, self.replica_of, self.low, self.high = feed, list(replica_of), low, high
+    A feeder thread keeps at most ``window`` unacknowledged groups at each training replica,
+    so that a replica never builds a backlog: groups it would only reach after the rollout
+    ended stay here and are shared by every replica in the step's ``finish``.
+    """
+
+    def __init__(self, feed: GroupFeed, acks: GroupInbox, replica_of: Sequence[int], *, low: float, high: float,
+                 stop_engine: Callable[[int], None], window: int = 2):
+        self.feed, self.acks, self.replica_of = feed, acks, list(replica_of)
+        self.low, self.high, self.window = low, high, window
         self.stop_engine = stop_engine  # ends the engine's server loop: its ranks go to training
         self._start_round(None)
 
@@ -48,13 +58,13 @@ class StreamFeed:
         return HandoffPolicy(candidates=candidates, on_release=self._release, low=self.low, high=self.high)
 
     def group_done(self, group: Group) -> None:
-        if self._replicas:
-            self._send(group)
-        else:
-            self._waiting.append(group)
+        self._incoming.put(group)
 
     def end_round(self) -> list[Group]:
-        """Tell the training replicas the rollout is over; returns the groups they trained."""
+        """Stop feeding, tell the training replicas the rollout is over; returns the groups they got."""
+        if self._feeder is not None:
+            self._incoming.put(None)
+            self._feeder.join()
         for ranks in self._replicas:
             self.feed.send(ranks, None)
         streamed = self._streamed
@@ -68,10 +78,10 @@ class StreamFeed:
     def _start_round(self, layout: RolloutLayout | None) -> None:
         self._layout = layout
         self._replicas: list[list[int]] = []  # ranks of each replica now training
-        self._tokens: list[int] = []
-        self._waiting: list[Group] = []
+        self._incoming: queue.Queue[Group | None] = queue.Queue()
         self._streamed: list[Group] = []
         self._released: set[int] = set()
+        self._feeder: threading.Thread | None = None
 
     def _members(self, layout: RolloutLayout, engine_id: int) -> list[int]:
         return list(range(engine_id * layout.tp, (engine_id + 1) * layout.tp))
@@ -88,25 +98,47 @@ class StreamFeed:
             ranks = self._members(self._layout, e)
             for rep in sorted({self.replica_of[r] for r in ranks}):
                 self._replicas.append([r for r in ranks if self.replica_of[r] == rep])
-                self._tokens.append(0)
-        waiting, self._waiting = self._waiting, []
-        for group in waiting:
-            self._send(group)
+        self.acks.drain()  # stale acknowledgements of an earlier round
+        self._feeder = threading.Thread(target=self._feed, name="stream-feeder", daemon=True)
+        self._feeder.start()
 
-    def _send(self, group: Group) -> None:
-        i = min(range(len(self._replicas)), key=self._tokens.__getitem__)
-        self.feed.send(self._replicas[i], group)
-        self._tokens[i] += sum(sequence_length(s) for s in group)
-        self._streamed.append(group)
+    def _feed(self) -> None:
+        """The feeder thread: the only user of the feed and ack sockets until ``end_round``."""
+        waiting: list[Group] = []
+        in_flight: list[set[tuple[int, int]]] = [set() for _ in self._replicas]
+        tokens = [0] * len(self._replicas)
+        ending = False
+        while True:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    group = self._incoming.get_nowait()
+                    if group is None:
+                        ending = True
+                    else:
+                        waiting.append(group)
+            for key in self.acks.drain():
+                for keys in in_flight:
+                    keys.discard(key)
+            while waiting and (free := [i for i, keys in enumerate(in_flight) if len(keys) < self.window]):
+                i, group = min(free, key=tokens.__getitem__), waiting.pop(0)
+                self.feed.send(self._replicas[i], group)
+                in_flight[i].add(_key(group))
+                tokens[i] += sum(sequence_length(s) for s in group)
+                self._streamed.append(group)
+            if ending:
+                return
+            self.acks.wait(0.005)
 
 
-def stream_train(inbox: GroupInbox, stream: StreamTrainer) -> int:
+def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[int, int]], None]) -> int:
     """A rank handed to training mid-round: forward/backward on each group fed to it until the
-    rollout ends; gradients stay local until the step's ``finish``. Returns the groups trained."""
+    rollout ends, acknowledging each; gradients stay local until the step's ``finish``.
+    Returns the groups trained."""
     stream.begin()
     n = 0
     while (group := inbox.receive()) is not None:
         stream.consume([group])
+        ack(_key(group))
         n += 1
     stream.end_rollout()
     return n

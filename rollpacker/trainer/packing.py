@@ -34,17 +34,19 @@ def sequence_length(sample: Sample) -> int:
     return len(sample.prompt.input_ids) + len(sample.response_ids)
 
 
-def balance(lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+def balance(lengths: Sequence[int], num_bins: int, start: Sequence[int] | None = None) -> list[list[int]]:
     """Split item indices over ``num_bins`` bins with near-equal total length.
 
     Longest-processing-time greedy: items by decreasing length go to the
-    lightest bin (lowest index on ties). Each bin lists its indices in input
-    order. The heaviest bin exceeds the mean load by less than the longest item.
+    lightest bin (lowest index on ties), counting ``start`` as each bin's load
+    before any item. Each bin lists its indices in input order. The heaviest
+    bin exceeds the mean load by less than the longest item.
     """
     if num_bins < 1:
         raise ValueError(f"num_bins must be >= 1, got {num_bins}")
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    heap = [(0, b) for b in range(num_bins)]
+    heap = [(int(start[b]) if start is not None else 0, b) for b in range(num_bins)]
+    heapq.heapify(heap)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         load, b = heapq.heappop(heap)
         bins[b].append(i)

@@ -128,7 +128,13 @@ class StreamTrainer:
             self.end_rollout()
         samples = [s for g in remaining for s in with_advantages(g, self.cfg)]
         layout = self.backend.layout
-        mine = balance([sequence_length(s) for s in samples], layout.dp)[layout.dp_rank]
+        # replicas that streamed during rollout already did part of the work: even out the total
+        done = torch.tensor([self._counts["tokens"]], dtype=torch.int64, device=layout.device)
+        loads = [torch.zeros_like(done) for _ in range(layout.dp)]
+        if layout.dp > 1:
+            dist.all_gather(loads, done, group=layout.dp_group)
+        mine = balance([sequence_length(s) for s in samples], layout.dp,
+                       start=[int(x) for x in loads] if layout.dp > 1 else None)[layout.dp_rank]
         # groups are split across replicas; count each once (on replica 0) for the report
         self._train([samples[i] for i in mine], len(remaining) if layout.dp_rank == 0 else 0)
         return self._reduce_and_step()
