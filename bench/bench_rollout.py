@@ -10,7 +10,9 @@ interleaved so that both see the same load on a shared machine; both train
 exactly the same prompts, the first ``5 x cycles x P0`` of the data order.
 
 Printed: per-round rollout seconds, bubble fraction and generated tokens;
-the mean short-round and amortized speedups; and each mode's distance from
+the mean short-round speedup (mean baseline round / mean short round) and the
+amortized speedup (total baseline seconds / total tail-batching seconds over
+the same rounds, which train the same prompts: checked and printed); and each mode's distance from
 the bubble-free bound = the tokens it generated / the engine's saturated
 throughput (the mean of a measurement before and one after the rounds, with
 every request of a short round's concurrency decoding 64 tokens, no stop).
@@ -22,6 +24,7 @@ only the seconds move with the load other processes put on the machine.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -79,7 +82,8 @@ def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: Po
     print(f"  {mode:<14}{result.index:>4} {result.kind.value:<9}{s.rollout_seconds:>9.2f}"
           f"{s.bubble_fraction:>8.2f}{s.generated_tokens:>9}{s.wasted_tokens:>9}{s.preemptions:>6}"
           f"{busy:>9.2f}{exposed:>9.2f}", flush=True)
-    result.groups = []  # keep only the stats
+    result.trained = sorted(g[0].prompt.uid for g in result.groups)
+    result.groups = []  # keep only the stats and the trained prompts
     return result
 
 
@@ -97,7 +101,9 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=512, help="max response length")
     p.add_argument("--cycles", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=65536)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                   help="torch intra-op threads (default: $OMP_NUM_THREADS, else 1). On cores shared with other "
+                        "jobs, 2 threads on 2 cores can make a round 10-20x slower (threads spin at barriers)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     if not (Path(args.policy) / "config.json").is_file():
@@ -128,13 +134,20 @@ def main() -> None:
     print(f"saturated throughput at {concurrency} concurrent requests: "
           f"{' / '.join(f'{t:.0f}' for t in throughputs)} tokens/s (before / after)")
     base, tail = runs["baseline"], runs["tail_batching"]
+    trained = {mode: sorted(uid for r in results for uid in r.trained) for mode, results in runs.items()}
+    same = trained["baseline"] == trained["tail_batching"]
+    print(f"threads {args.threads}, P0 {args.p0}, R0 {args.r0}, eta {args.eta}, limit {args.limit}, "
+          f"kv {args.kv_tokens} tokens; both modes trained {len(trained['baseline'])} / "
+          f"{len(trained['tail_batching'])} prompts, {'the same set' if same else 'DIFFERENT sets'}")
     base_s = mean_seconds(base)
     print(f"baseline: {base_s:.2f} s/step, bubble {statistics.fmean(r.stats.bubble_fraction for r in base):.2f}")
     print(f"tail batching: {mean_seconds(tail):.2f} s/step (short {mean_seconds(tail, RoundKind.SHORT):.2f} s, "
           f"long {mean_seconds(tail, RoundKind.LONG):.2f} s), "
           f"bubble {statistics.fmean(r.stats.bubble_fraction for r in tail):.2f}")
-    print(f"speedup: short rounds {base_s / mean_seconds(tail, RoundKind.SHORT):.2f}x, "
-          f"amortized over {args.cycles} cycles {base_s / mean_seconds(tail):.2f}x")
+    base_total, tail_total = (sum(r.stats.round_seconds for r in rs) for rs in (base, tail))
+    print(f"speedup: short rounds {base_s / mean_seconds(tail, RoundKind.SHORT):.2f}x (mean baseline round / "
+          f"mean short round), amortized over {args.cycles} cycles {base_total / tail_total:.2f}x "
+          f"({base_total:.1f} s / {tail_total:.1f} s over {len(base)} rounds each)")
     busy, exposed = sum(r.reward_busy for r in tail), sum(r.reward_exposed for r in tail)
     print(f"reward overlap (tail batching, scored as responses finish): {busy:.2f} s of scoring, "
           f"{exposed:.2f} s after generation ended: {1 - exposed / busy if busy else 1:.0%} hidden behind rollout")

@@ -59,37 +59,46 @@ class ForwardPlan:
 
 
 class PagedKV:
-    """K and V pools of shape [layers, local KV heads, pages, page size, head dim].
+    """One K+V pool of shape [layers, 2 * local KV heads, pages, page size, head dim].
 
-    Head-major pages make the gathered keys of a decode step one contiguous
-    [rows, heads, tokens, dim] tensor, the layout attention reads, from a single
-    embedding lookup (the fastest gather on CPU) per pool and layer.
+    Rows ``[0, kv_heads)`` of dim 1 hold the keys, ``[kv_heads, 2 * kv_heads)`` the
+    values. Head-major pages make the gathered keys and values of a decode step one
+    contiguous [rows, 2 * heads, tokens, dim] tensor, the layout attention reads, from a
+    single ``index_select`` (the fastest gather on CPU) per layer. The gather writes
+    into a scratch buffer that is kept across steps and layers: a decode step at a large
+    batch gathers tens of MB per layer, and a fresh allocation of that size is returned
+    to the OS and page-faulted back in every time (thousands of faults per step).
     """
 
     def __init__(self, layers: int, pages: int, kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (layers, kv_heads, pages, page_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.pages, self.page_size, self.kv_heads = pages, page_size, kv_heads
+        self.kv = torch.zeros((layers, 2 * kv_heads, pages, page_size, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, :kv_heads], self.kv[:, kv_heads:]
+        self.pages, self.page_size, self.kv_heads, self.head_dim = pages, page_size, kv_heads, head_dim
+        self._scratch = torch.empty(0, page_size * head_dim, dtype=dtype, device=device)
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store tokens ``k``, ``v`` [N, heads, dim] at (``pages``, ``offsets``) [N]."""
-        self.k[layer][:, pages, offsets] = k.transpose(0, 1)
-        self.v[layer][:, pages, offsets] = v.transpose(0, 1)
+        self.kv[layer][:, pages, offsets] = torch.cat((k, v), 1).transpose(0, 1)
 
     def lookup_index(self, block_table: torch.Tensor) -> torch.Tensor:
-        """Rows of the [heads * pages, page * dim] view that hold each row's pages, per head."""
-        heads = torch.arange(self.kv_heads, device=block_table.device) * self.pages
-        return heads.view(1, -1, 1) + block_table.unsqueeze(1)  # [B, heads, pages per row]
+        """Rows of the [2 * heads * pages, page * dim] view that hold each row's pages: keys, then values."""
+        heads = torch.arange(2 * self.kv_heads, device=block_table.device) * self.pages
+        return (heads.view(1, -1, 1) + block_table.unsqueeze(1)).flatten()  # [B * 2 heads * pages per row]
 
-    def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, heads, pages per row * page, dim] of the rows in ``index``."""
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            rows = F.embedding(index, pool.view(self.kv_heads * self.pages, -1))
-            return rows.view(index.shape[0], self.kv_heads, -1, pool.shape[-1])
-        return gather(self.k[layer]), gather(self.v[layer])
+    def read(self, layer: int, index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [rows, heads, pages per row * page, dim] of the ``rows`` rows in ``index``.
+
+        Views into the scratch buffer: valid until the next ``read``.
+        """
+        n = index.numel()
+        if self._scratch.shape[0] < n:  # grow with headroom, so a growing batch reallocates rarely
+            self._scratch = self._scratch.new_empty((n + n // 4, self._scratch.shape[1]))
+        pool = self.kv[layer].view(2 * self.kv_heads * self.pages, -1)
+        both = torch.index_select(pool, 0, index, out=self._scratch[:n]).view(rows, 2 * self.kv_heads, -1,
+                                                                                 self.head_dim)
+        return both[:, :self.kv_heads], both[:, self.kv_heads:]
 
 
 class Qwen2TP:
@@ -204,6 +213,8 @@ class Qwen2TP:
 
     # ---- forward -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, the same arithmetic as below
+            return F.rms_norm(x, w.shape, w, self.spec.rms_norm_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return w * xf.to(x.dtype)
@@ -237,8 +248,11 @@ class Qwen2TP:
             positions = (lengths - 1).unsqueeze(1)
             valid = None
             index = kv.lookup_index(plan.block_table.to(self.device))
-            key_mask = (torch.arange(index.shape[2] * kv.page_size, device=self.device)
-                        < lengths.unsqueeze(1)).view(bsz, 1, 1, -1)
+            keys_per_row = plan.block_table.shape[1] * kv.page_size
+            # additive float mask, made once per step (SDPA would convert a bool mask in every layer)
+            key_mask = torch.zeros(bsz, 1, 1, keys_per_row, dtype=self.dtype, device=self.device).masked_fill_(
+                (torch.arange(keys_per_row, device=self.device) >= lengths.unsqueeze(1)).view(bsz, 1, 1, -1),
+                float("-inf"))
         pages, offsets = plan.write_pages.to(self.device), plan.write_offsets.to(self.device)
         cos, sin = self._rope(positions)
         q_size, kv_size = self.heads * d, self.kv_heads * d
@@ -246,17 +260,16 @@ class Qwen2TP:
         for i in range(s.num_layers):
             h = self._rms(x, p[f"{i}.ln1"])
             qkv = F.linear(h, p[f"{i}.qkv_w"], p[f"{i}.qkv_b"])
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rotate(q.view(bsz, t, self.heads, d), cos, sin)
-            k = self._rotate(k.view(bsz, t, self.kv_heads, d), cos, sin)
-            v = v.view(bsz, t, self.kv_heads, d)
+            qk = self._rotate(qkv[..., :q_size + kv_size].view(bsz, t, self.heads + self.kv_heads, d), cos, sin)
+            q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
+            v = qkv[..., q_size + kv_size:].view(bsz, t, self.kv_heads, d)
             if valid is not None:  # prefill: attend within the new tokens, store them
                 kv.write(i, pages, offsets, k[valid], v[valid])
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       is_causal=True, enable_gqa=True)
             else:  # decode: store the one new token, attend over the row's pages
                 kv.write(i, pages, offsets, k[:, 0], v[:, 0])
-                keys, values = kv.read(i, index)
+                keys, values = kv.read(i, index, bsz)
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=key_mask,
                                                       enable_gqa=True)
             x = x + self._reduce(F.linear(attn.transpose(1, 2).reshape(bsz, t, q_size), p[f"{i}.o"]))
