@@ -1,0 +1,152 @@
+"""The pure logic of bench/e2e.py on synthetic metrics records (no torchrun)."""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import e2e_report as rep
+
+
+def rec(step: int, kind: str, step_s: float, *, prompts: int = 16, reward: float = 0.5, ckpt: float = 0.0,
+        wasted: int = 0, stream_groups: int = 0) -> dict:
+    r = {"step": step, "round": kind, "prompts_kept": prompts, "time/step_s": step_s + ckpt,
+         "time/rollout_s": step_s / 2, "time/train_s": step_s / 2, "bubble_fraction": 0.5,
+         "generated_tokens": 1000, "wasted_tokens": wasted, "reward_mean": reward, "accuracy": reward,
+         "train/stream_groups_before_rollout_end": stream_groups}
+    if ckpt:
+        r["time/checkpoint_s"] = ckpt
+    return r
+
+
+def tail_run(short_s: float, long_s: float, cycles: int = 2, **kw) -> list[dict]:
+    out = []
+    for c in range(cycles):
+        for i in range(5):
+            step = 5 * c + i + 1
+            out.append(rec(step, "long" if i == 4 else "short", long_s if i == 4 else short_s, **kw))
+    return out
+
+
+def _fields(path: str, cls: str) -> set[str]:
+    """A config dataclass's field names, read from its source (importing rollpacker.config pulls in torch)."""
+    tree = ast.parse(Path(path).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+
+
+def test_modes_are_cumulative_and_use_real_config_keys():
+    assert [m.key for m in rep.MODES] == ["baseline", "tail_batching", "async_reward", "planner", "stream",
+                                          "stream_tp1"]
+    assert rep.MODES[0].overrides["scheduler.mode"] == "baseline"
+    by_key = {m.key: m.overrides for m in rep.MODES}
+    assert by_key["stream_tp1"] == {**by_key["stream"], "scheduler.planner.long_tp": "1"}
+    assert by_key[rep.ROLLPACKER] == {"scheduler.mode": "tail_batching", "reward.async_scoring": "true",
+                    "scheduler.planner.enabled": "true", "rollout.tp": "1", "trainer.stream": "true"}
+    sections = {"run": ("rollpacker/config.py", "RunSection"), "data": ("rollpacker/data/config.py", "DataConfig"),
+                "rollout": ("rollpacker/rollout/config.py", "RolloutConfig"),
+                "scheduler": ("rollpacker/scheduler/config.py", "SchedulerConfig"),
+                "scheduler.planner": ("rollpacker/scheduler/config.py", "PlannerConfig"),
+                "reward": ("rollpacker/reward/config.py", "RewardConfig"),
+                "trainer": ("rollpacker/trainer/config.py", "TrainerConfig")}
+    keys = {k for m in rep.MODES for k in m.overrides} | {o.split("=")[0] for o in rep.seed_overrides(3)}
+    for key in keys:
+        section, name = key.rsplit(".", 1)
+        assert name in _fields(*sections[section]), key
+
+
+def test_checkpoint_time_is_not_step_time():
+    assert rep.step_seconds(rec(1, "baseline", 10.0, ckpt=2.5)) == pytest.approx(10.0)
+
+
+def test_warm_step_left_out_without_tilting_the_round_mix():
+    # Warm first steps are slow (100 s); without the kind weighting, dropping step 1 and 6 (short rounds)
+    # would give (3*2 + 10) / 4 = 4 s per step instead of the cycle's (4*2 + 10) / 5 = 3.6 s.
+    recs = tail_run(2.0, 10.0)
+    recs[0]["time/step_s"] = recs[5]["time/step_s"] = 100.0
+    assert rep.kind_weighted_mean(recs, rep.step_seconds, {1, 6}) == pytest.approx(3.6)
+
+
+def test_speedup_over_matching_trained_prompts():
+    base = rep.mode_summary([rec(s, "baseline", 6.0) for s in range(1, 11)], {1, 6})
+    tail = rep.mode_summary(tail_run(2.0, 10.0), {1, 6})
+    assert base["prompts_trained"] == tail["prompts_trained"] == 160
+    assert rep.speedup(base, tail) == pytest.approx(6.0 / 3.6)
+    # A mode that trains half the prompts per step at the same step time is half as fast.
+    half = rep.mode_summary([rec(s, "baseline", 6.0, prompts=8) for s in range(1, 11)])
+    assert rep.speedup(base, half) == pytest.approx(0.5)
+
+
+def test_summary_counts_waste_and_stream_activity():
+    s = rep.mode_summary(tail_run(2.0, 10.0, wasted=100))
+    assert s["wasted_tokens"] == 1000 and s["wasted_share"] == pytest.approx(0.1)
+    assert s["rounds"] == {"short": 8, "long": 2} and not s["stream_active"]
+    assert rep.mode_summary(tail_run(2.0, 10.0, stream_groups=3))["stream_active"]
+
+
+def test_last_cycle_mean_is_over_trained_prompts():
+    recs = [rec(s, "baseline", 1.0, reward=0.1 * s) for s in range(1, 11)]
+    assert rep.last_cycle_mean(recs, "reward_mean", 80) == pytest.approx(0.8)  # steps 6..10
+    assert math.isnan(rep.window_mean([16, 32], [1.0, 2.0], 32, 48))
+    assert rep.trailing_means([16, 32, 48], [1.0, 2.0, 3.0], 32) == pytest.approx([1.0, 1.5, 2.5])
+
+
+@pytest.mark.parametrize("rp, within, verdict", [
+    ([0.20], True, "within spread"),     # inside min..max
+    ([0.26], False, "within spread (mean ± 2 std; outside min..max)"),
+    ([0.40], False, "outside spread"),
+    ([0.10, 0.30], True, "within spread"),  # the mean over RollPacker's seeds counts
+])
+def test_parity_verdict(rp, within, verdict):
+    v = rep.parity_verdict([0.15, 0.20, 0.25], rp)
+    assert v["within_minmax"] is within and v["verdict"] == verdict
+    assert v["baseline_std"] == pytest.approx(0.05)
+
+
+def test_trl_skip_reasons():
+    assert rep.trl_skip_reason(True, True, None) == "--no-trl given"
+    assert "does not exist" in rep.trl_skip_reason(False, False, None)
+    assert "No module named 'trl'" in rep.trl_skip_reason(False, True, "ModuleNotFoundError: No module named 'trl'")
+    assert rep.trl_skip_reason(False, True, None) is None
+    assert "skipped (--no-trl given)" in rep.trl_markdown(None, "--no-trl given", {})
+
+
+@pytest.mark.parametrize("prompts", [[16, 16, 16, 16], [16, 32, 48, 64]])
+def test_trl_summary_per_step_or_cumulative_prompts(prompts):
+    trl = {"seconds_per_step": [50.0, 10.0, 12.0, 14.0], "generation_seconds": [40.0, 6.0, 6.0, 6.0],
+           "reward_mean": [0.1, 0.2, 0.3, 0.4], "accuracy": [0.0, 0.1, 0.2, 0.3], "prompts_trained": prompts,
+           "trl_version": "1.16.0"}
+    later = dict(trl, seconds_per_step=[50.0, 20.0, 24.0, 28.0], generation_seconds=[40.0, 12.0, 12.0, 12.0])
+    t = rep.trl_summary([trl], (32, 64))
+    assert t["step_s"] == pytest.approx(12.0) and t["s_per_prompt"] == pytest.approx(0.75)  # first step is warm-up
+    assert t["generation_share"] == pytest.approx(0.5)
+    assert t["prompts_trained"] == 64 and t["reward_window"] == pytest.approx(0.35)
+    both = rep.trl_summary([trl, later], (32, 64))  # a run before and one after ours: seconds averaged
+    assert both["step_s"] == pytest.approx(18.0) and both["step_s_runs"] == pytest.approx([12.0, 24.0])
+    ours = {"step_s": 6.0, "s_per_prompt": 0.375, "rollout_s": 3.0, "reward_window": 0.3}
+    md = rep.trl_markdown(t, None, [("RollPacker", ours)])
+    assert "| RollPacker | 6.0 | 50% | 0.300 | – | 2.00× |" in md and "TRL 1.16.0" in md
+
+
+def test_tables_format():
+    rows = [{"key": m.key, "label": m.label, "summary": rep.mode_summary(tail_run(2.0, 10.0)), "speedup": 1.5,
+             "note": "flag has no effect" if m.key == "stream" else "", "reward_last_cycle": 0.25,
+             "held_out": 0.281}
+            for m in rep.MODES]
+    md = rep.ablation_markdown(rows).splitlines()
+    assert len(md) == 2 + len(rep.MODES) and all(line.count("|") == 11 for line in md)
+    assert "| + stream trainer (flag has no effect) | 3.6 | 1.50× | 2.03 / 2.22 / 2.56 |" in md[-2]
+    assert "| 0.250 | 0.281 |" in md[-1] and "| + stream trainer, long rounds at TP 1 | 3.6 | 1.50× | – |" in md[-1]
+    proj = rep.projection_markdown([{"model": "7b", "limit": 8192, "gpus": 16, "published_baseline_s": 82.0,
+                                     "published_tail_s": 47.0, "published_speedup": 82 / 47, "baseline_mean_s": 52.0,
+                                     "tail_mean_s": 20.0, "speedup": 2.6, "planner_tail_mean_s": 19.0,
+                                     "planner_speedup": 2.74, "published_e2e_tail": 1.3, "published_e2e_all": 2.03}])
+    assert "| Qwen2.5-7B, 8k, 16 | 82 → 47 (1.74×) | 52 → 20 (2.60×) | 19 (2.74×) | 1.30× / 2.03× |" in proj
+    text = rep.parity_text(rep.parity_verdict([0.1, 0.2], [0.15]))
+    assert "0.100..0.200" in text and "within spread" in text
+
+
+def test_one_baseline_seed_gives_no_verdict():
+    assert rep.parity_verdict([0.2], [0.2])["verdict"].startswith("no verdict")
