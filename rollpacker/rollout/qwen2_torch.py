@@ -73,7 +73,6 @@ class PagedKV:
     def __init__(self, layers: int, pages: int, kv_heads: int, page_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.kv = torch.zeros((layers, 2 * kv_heads, pages, page_size, head_dim), dtype=dtype, device=device)
-        self.k, self.v = self.kv[:, :kv_heads], self.kv[:, kv_heads:]
         self.pages, self.page_size, self.kv_heads, self.head_dim = pages, page_size, kv_heads, head_dim
         self._scratch = torch.empty(0, page_size * head_dim, dtype=dtype, device=device)
 

@@ -83,11 +83,8 @@ class StreamFeed:
         self._released: set[int] = set()
         self._feeder: threading.Thread | None = None
 
-    def _members(self, layout: RolloutLayout, engine_id: int) -> list[int]:
-        return list(range(engine_id * layout.tp, (engine_id + 1) * layout.tp))
-
     def _whole_replicas(self, layout: RolloutLayout, engine_id: int) -> bool:
-        ranks = set(self._members(layout, engine_id))
+        ranks = set(layout.ranks_of(engine_id))
         replicas = {self.replica_of[r] for r in ranks}
         return all(r in ranks for r, rep in enumerate(self.replica_of) if rep in replicas)
 
@@ -95,7 +92,7 @@ class StreamFeed:
         for e in engine_ids:
             self.stop_engine(e)
             self._released.add(e)
-            ranks = self._members(self._layout, e)
+            ranks = self._layout.ranks_of(e)
             for rep in sorted({self.replica_of[r] for r in ranks}):
                 self._replicas.append([r for r in ranks if self.replica_of[r] == rep])
         self.acks.drain()  # stale acknowledgements of an earlier round

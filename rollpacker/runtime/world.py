@@ -31,6 +31,10 @@ class RolloutLayout:
     def is_leader(self) -> bool:
         return dist.get_rank() == self.leader
 
+    def ranks_of(self, engine_id: int) -> range:
+        """Global ranks of engine ``engine_id`` (a consecutive block led by its first rank)."""
+        return range(self.leaders[engine_id], self.leaders[engine_id] + self.tp)
+
 
 @dataclass
 class World:
