@@ -4,7 +4,8 @@
 
 Runs the real program (``torchrun --nproc_per_node 2 -m rollpacker.train --config
 configs/tiny-cpu.yaml``) in five cumulative modes (baseline, tail batching,
-+ async reward, + parallelism planner, + stream trainer), same seed, same data
++ async reward, + parallelism planner with the config's measured TP profile,
++ stream trainer), same seed, same data
 order, same number of trained prompts, each into ``OUT/<mode>-s<seed>/``; the
 baseline and RollPacker (every component) also for the other seeds. Each run
 is split into one-cycle chunks (the program resumes exactly from the previous
@@ -228,7 +229,7 @@ def plot(runs: dict[str, dict[str, Any]], trl: dict[str, Any] | None, cycle_prom
     labels = {m.key: m.label for m in rep.MODES}
     style = {rep.BASELINE: ("0.3", "-", 1.5), rep.ROLLPACKER: ("tab:red", "-", 2.0),
              "tail_batching": ("tab:orange", "--", 1), "async_reward": ("tab:green", "--", 1),
-             "planner": ("tab:purple", "--", 1), "stream_tp1": ("tab:brown", "--", 1)}
+             "planner": ("tab:purple", "--", 1)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharex=True, sharey=True)
     for ax, key in zip(axes, ("reward_mean", "accuracy")):
         base = [r for r in runs.values() if r["mode"] == rep.BASELINE]
@@ -314,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         d = data[f"{mode.key}-s{s0}"]
         note = ("no effect here: 0 groups trained before rollout ended"
                 if mode.overrides["trainer.stream"] == "true" and not d["summary"]["stream_active"] else "")
+        if mode.key == "planner":
+            note = "chose rollout TP " + ", ".join(f"{k} {v}" for k, v in rep.planned_tps(d["steps"]).items())
         rows.append({"key": mode.key, "label": mode.label, "summary": d["summary"], "note": note,
                      "speedup": rep.speedup(base["summary"], d["summary"]), "reward_last_cycle": d["reward_last_cycle"],
                      "held_out": held_out.get(f"{mode.key}-s{s0}", math.nan)})
@@ -340,10 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         print(held_text)
 
     window = (base["prompts"][-1] - cycle_prompts, base["prompts"][-1])
-    ours = [(f"RollPacker{'' if k == rep.ROLLPACKER else ', long rounds at TP 1'}",
-             dict(data[f"{k}-s{s0}"]["summary"], reward_window=data[f"{k}-s{s0}"]["reward_last_cycle"],
-                  accuracy_window=data[f"{k}-s{s0}"]["accuracy_last_cycle"]))
-            for k in (rep.ROLLPACKER, "stream_tp1") if f"{k}-s{s0}" in data]
+    mine = data[f"{rep.ROLLPACKER}-s{s0}"]
+    ours = [("RollPacker", dict(mine["summary"], reward_window=mine["reward_last_cycle"],
+                                accuracy_window=mine["accuracy_last_cycle"]))]
     trl = rep.trl_summary(trl_runs, window) if trl_runs else None
     trl_cmd = trl_command(args, Path(args.out) / "trl_before.json")
     trl_md = rep.trl_markdown(trl, skip, ours)

@@ -22,9 +22,6 @@ _STEPS = [
     ("async_reward", "+ async reward scheduler", {"reward.async_scoring": "true"}),
     ("planner", "+ parallelism planner", {"scheduler.planner.enabled": "true"}),
     ("stream", "+ stream trainer", {"trainer.stream": "true"}),
-    # On 2 ranks a TP-2 long round is one engine, and the stream trainer needs one to leave: this row
-    # gives long rounds two TP-1 engines so the stream trainer can act at all.
-    ("stream_tp1", "+ stream trainer, long rounds at TP 1", {"scheduler.planner.long_tp": "1"}),
 ]
 
 
@@ -92,6 +89,16 @@ def cumulative_prompts(records: Sequence[Record]) -> list[int]:
         n += int(rec["prompts_kept"])
         out.append(n)
     return out
+
+
+def planned_tps(records: Sequence[Record]) -> dict[str, str]:
+    """The rollout TP sizes each round kind ran at, in order of first use: {"short": "1", "long": "1/2"}."""
+    seen: dict[str, list[int]] = {}
+    for r in records:
+        tps = seen.setdefault(r["round"], [])
+        if r["rollout_tp"] not in tps:
+            tps.append(r["rollout_tp"])
+    return {kind: "/".join(map(str, tps)) for kind, tps in seen.items()}
 
 
 def mode_summary(records: Sequence[Record], warm: set[int] = frozenset()) -> dict[str, Any]:

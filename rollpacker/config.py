@@ -96,9 +96,10 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
         raise ConfigError(
             f"{src}: scheduler.p0*scheduler.r0 = {batch} is not divisible by the data-parallel size {dp} "
             f"(world {world_size} / tp*pp*cp {model_parallel}); change scheduler.p0 or the layout")
-    rollout_tps = {cfg.rollout.tp}
-    if cfg.scheduler.planner.enabled:
-        rollout_tps |= {cfg.scheduler.planner.short_tp, cfg.scheduler.planner.long_tp}
+    planner = cfg.scheduler.planner
+    rollout_tps = {cfg.rollout.tp, *planner.tp_choices(world_size, cfg.rollout.tp)}
+    if planner.enabled:
+        rollout_tps |= {planner.short_tp, planner.long_tp}
     for tp in sorted(rollout_tps):
         if world_size % tp:
             raise ConfigError(f"{src}: rollout TP {tp} (rollout.tp / scheduler.planner.*_tp) does not divide "
@@ -116,7 +117,8 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
         if heads % tp or kv_heads % tp:
             raise ConfigError(
                 f"{src}: {key}={tp} does not divide the model's attention heads ({heads}) and KV heads "
-                f"({kv_heads}) from {hf}; use a TP size that divides {kv_heads}")
+                f"({kv_heads}) from {hf}; use a TP size that divides {kv_heads} (the planner may pick any "
+                f"power of two up to scheduler.planner.max_tp={planner.max_tp})")
     if require_files:
         for p in cfg.data.train_files:
             if not Path(p).is_file():

@@ -38,11 +38,9 @@ def _fields(path: str, cls: str) -> set[str]:
 
 
 def test_modes_are_cumulative_and_use_real_config_keys():
-    assert [m.key for m in rep.MODES] == ["baseline", "tail_batching", "async_reward", "planner", "stream",
-                                          "stream_tp1"]
+    assert [m.key for m in rep.MODES] == ["baseline", "tail_batching", "async_reward", "planner", "stream"]
     assert rep.MODES[0].overrides["scheduler.mode"] == "baseline"
     by_key = {m.key: m.overrides for m in rep.MODES}
-    assert by_key["stream_tp1"] == {**by_key["stream"], "scheduler.planner.long_tp": "1"}
     assert by_key[rep.ROLLPACKER] == {"scheduler.mode": "tail_batching", "reward.async_scoring": "true",
                     "scheduler.planner.enabled": "true", "rollout.tp": "1", "trainer.stream": "true"}
     sections = {"run": ("rollpacker/config.py", "RunSection"), "data": ("rollpacker/data/config.py", "DataConfig"),
@@ -137,8 +135,10 @@ def test_tables_format():
             for m in rep.MODES]
     md = rep.ablation_markdown(rows).splitlines()
     assert len(md) == 2 + len(rep.MODES) and all(line.count("|") == 11 for line in md)
-    assert "| + stream trainer (flag has no effect) | 3.6 | 1.50× | 2.03 / 2.22 / 2.56 |" in md[-2]
-    assert "| 0.250 | 0.281 |" in md[-1] and "| + stream trainer, long rounds at TP 1 | 3.6 | 1.50× | – |" in md[-1]
+    assert "| + stream trainer (flag has no effect) | 3.6 | 1.50× | 2.03 / 2.22 / 2.56 |" in md[-1]
+    assert "| 0.250 | 0.281 |" in md[-1]
+    steps = [{"round": "short", "rollout_tp": 1}, {"round": "long", "rollout_tp": 1}, {"round": "long", "rollout_tp": 2}]
+    assert rep.planned_tps(steps) == {"short": "1", "long": "1/2"}
     proj = rep.projection_markdown([{"model": "7b", "limit": 8192, "gpus": 16, "published_baseline_s": 82.0,
                                      "published_tail_s": 47.0, "published_speedup": 82 / 47, "baseline_mean_s": 52.0,
                                      "tail_mean_s": 20.0, "speedup": 2.6, "planner_tail_mean_s": 19.0,

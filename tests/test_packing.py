@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rollpacker.trainer.grpo import grpo_token_loss
-from rollpacker.trainer.packing import balance, build_micro_batch, pack, plan_micro_batches, sequence_length
+from rollpacker.trainer.packing import (MICRO_BATCH_OVERHEAD_TOKENS, balance, build_micro_batch, pack,
+                                       plan_micro_batches, sequence_length)
 from tests.dist.trainer_fixtures import random_groups
 
 
@@ -47,6 +48,49 @@ def test_pack_invariants(budget):
     if budget >= max(lengths):  # first-fit decreasing never needs more than 11/9 OPT + 1 bins
         assert len(batches) <= 11 / 9 * (sum(lengths) / budget) + 2
     assert pack(lengths, budget) == batches
+
+
+def _padded_cost(lengths, batches):
+    return sum(len(b) * max(lengths[i] for i in b) + MICRO_BATCH_OVERHEAD_TOKENS for b in batches)
+
+
+@pytest.mark.parametrize("budget", [1, 200, 4096])
+def test_padded_pack_bounds_rows_times_width(budget):
+    lengths = _lengths(7, 64)
+    batches = pack(lengths, budget, "padded")
+    assert sorted(i for b in batches for i in b) == list(range(64))
+    for b in batches:
+        assert len(b) * max(lengths[i] for i in b) <= budget or len(b) == 1
+    assert pack(lengths, budget, "padded") == batches
+
+
+def test_padded_pack_keeps_a_long_row_away_from_short_ones():
+    lengths = [40] * 31 + [480]
+    batches = pack(lengths, 4096, "padded")
+    assert [31] in batches  # sharing would pad 31 short rows to 480: 15,360 tokens for 1,720 real
+    assert _padded_cost(lengths, batches) < _padded_cost(lengths, pack(lengths, 4096, "thd")) / 3
+
+
+def test_padded_pack_is_the_cheapest_split_of_the_sorted_rows():
+    """Against brute force over every way to cut the length-sorted rows into runs."""
+    import itertools
+    rng = random.Random(8)
+    for _ in range(20):
+        lengths = [rng.choice([5, 30, 60, 200]) + rng.randrange(10) for _ in range(rng.randint(1, 9))]
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        best = None
+        for cuts in itertools.product([0, 1], repeat=len(order) - 1):
+            runs, run = [], [order[0]]
+            for c, i in zip(cuts, order[1:]):
+                if c:
+                    runs.append(run)
+                    run = []
+                run.append(i)
+            runs.append(run)
+            if all(len(r) * lengths[r[0]] <= 600 or len(r) == 1 for r in runs):
+                cost = _padded_cost(lengths, runs)
+                best = cost if best is None else min(best, cost)
+        assert _padded_cost(lengths, pack(lengths, 600, "padded")) == best
 
 
 def test_micro_batch_positions_and_mask():

@@ -8,6 +8,7 @@ import pytest
 from rollpacker.configlib import ConfigError
 from rollpacker.scheduler import ParallelismPlanner, RoundKind, TPProfile
 from rollpacker.scheduler.config import PlannerConfig
+from rollpacker.testing import REPO_ROOT
 
 SHORT, LONG = RoundKind.SHORT, RoundKind.LONG
 
@@ -83,3 +84,32 @@ def test_state_round_trips_through_json():
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.state_dict() == p.state_dict()
     assert run(q, SHORT, [0, 0, 0, 0]) == run(p, SHORT, [0, 0, 0, 0])
+
+
+def test_profile_rows_come_from_the_config_and_are_checked():
+    from rollpacker.config import load_config
+    cfg = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml").scheduler.planner
+    assert [row.tp for row in cfg.profile] == [1, 2]
+    p = ParallelismPlanner(cfg, 2)
+    # measured on 2 cores: one TP-2 engine is slower than the two TP-1 engines it replaces
+    assert p.tp_for(SHORT, requests=100, max_response_tokens=512) == 1
+    assert p.tp_for(LONG, requests=64, max_response_tokens=512) == 1
+    with pytest.raises(ConfigError, match="TP size twice"):
+        load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml",
+                    ["scheduler.planner.profile=[{tp: 1, decode_tokens_per_s: 1, kv_capacity_tokens: 1}, "
+                     "{tp: 1, decode_tokens_per_s: 2, kv_capacity_tokens: 1}]"])
+    with pytest.raises(ConfigError, match=r"planner\.profile\[0\]\.tp must be a power of two"):
+        load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml",
+                    ["scheduler.planner.profile=[{tp: 3, decode_tokens_per_s: 1, kv_capacity_tokens: 1}]"])
+
+
+def test_tp_choices_are_what_every_rank_builds():
+    assert PlannerConfig(max_tp=8).tp_choices(16, 1) == [1, 2, 4, 8]
+    assert PlannerConfig(max_tp=8).tp_choices(12, 1) == [1, 2, 4]
+    assert PlannerConfig(enabled=False).tp_choices(16, 4) == [4]
+    # the online rule never leaves the choices, so it never asks for an engine nobody built
+    p = ParallelismPlanner(PlannerConfig(max_tp=4, short_tp=1, long_tp=2, grow_ratio=1.0), 8)
+    p.tp_for(LONG, requests=8, max_response_tokens=8)
+    for preemptions in (1, 2, 3, 4):
+        p.observe(LONG, preemptions, 10.0)
+        assert p.tp_for(LONG, requests=8, max_response_tokens=8) in PlannerConfig(max_tp=4).tp_choices(8, 1)

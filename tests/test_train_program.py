@@ -39,7 +39,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def tail_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "tail"
-    _train(run_dir, "run.steps=6", "run.save_every=3", "run.verify_sync=true")
+    # no profile rows: the planner starts at short_tp=1 / long_tp=2, so the long round regroups
+    _train(run_dir, "run.steps=6", "run.save_every=3", "run.verify_sync=true", "scheduler.planner.profile=[]")
     return run_dir
 
 
@@ -179,10 +180,10 @@ def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
 
 @pytest.fixture(scope="module")
 def stream_run(tmp_path_factory) -> Path:
-    # Two TP=1 engines in long rounds too (planner off), so one engine can leave for the stream trainer.
+    # The shipped config as is: its measured profile makes the planner keep two TP-1 engines in long
+    # rounds, so one engine can leave for the stream trainer.
     run_dir = tmp_path_factory.mktemp("runs") / "stream"
-    _train(run_dir, "run.steps=6", "run.save_every=0", "run.verify_sync=true", "run.wandb=disabled",
-           "scheduler.planner.enabled=false", "trainer.stream=true")
+    _train(run_dir, "run.steps=6", "run.save_every=0", "run.verify_sync=true", "run.wandb=disabled")
     return run_dir
 
 
@@ -197,6 +198,7 @@ def test_long_round_hands_an_engine_to_the_stream_trainer(stream_run):
     assert r["migrated_requests"] > 0 and r["migrated_tokens"] > 0
     assert r["streamed_groups"] > 0 and r["train/stream_groups_before_rollout_end"] >= 1
     assert r["groups"] == 4 and r["group_sizes"] == [4] and r["responses_kept"] == 16
+    assert {x["rollout_tp"] for x in rows} == {1}  # the planner, from the profile in tiny-cpu.yaml
     assert (stream_run / "timeline" / "step_000005.png").exists()
     for short in (x for x in rows if x["round"] == "short"):
         assert short["streamed_groups"] == 0 and short["migrated_requests"] == 0

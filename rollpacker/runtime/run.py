@@ -40,7 +40,7 @@ class Run:
         cfg, self.cfg, self.world, self.run_dir = pre.cfg, pre.cfg, world, pre.run_dir
         self.timeline = Timeline(world.rank)
         planner = cfg.scheduler.planner
-        tp_sizes = sorted({planner.short_tp, planner.long_tp} if planner.enabled else {cfg.rollout.tp})
+        tp_sizes = planner.tp_choices(world.size, cfg.rollout.tp)
         world.build_rollout_layouts(tp_sizes)
         layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, seed=cfg.run.seed)
         self.trainer = Trainer(cfg.trainer, cfg.model.path, layout)
@@ -58,11 +58,10 @@ class Run:
                                   stop_token_ids=[pre.tokenizer.eos_token_id],
                                   async_reward=cfg.reward.async_scoring)
         self.scheduler = scheduler
-        long_engines = world.size // (planner.long_tp if planner.enabled else cfg.rollout.tp)
-        if cfg.trainer.stream and long_engines < 2 and world.rank == 0:
-            log.warning("trainer.stream: long rounds run %d engine(s) over %d ranks, so none can leave for the "
-                        "stream trainer; streaming needs >= 2 long-round engines (a smaller long-round TP)",
-                        long_engines, world.size)
+        if cfg.trainer.stream and world.size // min(tp_sizes) < 2 and world.rank == 0:
+            log.warning("trainer.stream: long rounds run one engine over all %d ranks, so none can leave for "
+                        "the stream trainer; streaming needs >= 2 long-round engines (a smaller rollout TP)",
+                        world.size)
         # a rank's training replica decides whether its engine may leave a long round to stream-train
         replica_of = replica_of_ranks(layout.dp_rank) if cfg.trainer.stream else None
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=sink, replica_of=replica_of,

@@ -7,6 +7,28 @@ from typing import Literal
 from rollpacker.configlib import ConfigError
 
 
+@dataclass(frozen=True)
+class TPProfile:
+    """Measured (``bench/profile_tp.py``) or modeled capacity of one engine at a TP size."""
+
+    tp: int
+    decode_tokens_per_s: float  # saturated decode throughput of one engine
+    kv_capacity_tokens: int  # KV-cache tokens one engine holds
+
+    def validate(self) -> None:
+        if self.tp < 1 or self.tp & (self.tp - 1):
+            raise ConfigError(f"tp must be a power of two >= 1, got {self.tp}")
+        if self.decode_tokens_per_s <= 0 or self.kv_capacity_tokens < 1:
+            raise ConfigError(f"decode_tokens_per_s and kv_capacity_tokens must be positive, got "
+                              f"{self.decode_tokens_per_s} and {self.kv_capacity_tokens}")
+
+    def round_seconds(self, engines: int, requests: int, tokens_per_request: float) -> float:
+        """Time to generate the round's tokens; over-subscribed KV is paid as recompute."""
+        demand = requests / engines * tokens_per_request
+        oversubscription = max(1.0, demand / self.kv_capacity_tokens)
+        return requests * tokens_per_request / (engines * self.decode_tokens_per_s) * oversubscription
+
+
 @dataclass
 class PlannerConfig:
     enabled: bool = True
@@ -15,6 +37,9 @@ class PlannerConfig:
     grow_ratio: float = 1.05  # preemptions rising by more than this step over step -> double TP
     shrink_after_steps: int = 4  # steps with zero preemptions -> halve TP
     max_tp: int = 8  # a TP group never spans nodes: at most the GPUs per node
+    # one row per TP size; with rows, a round kind starts at the TP they predict fastest
+    # (short_tp/long_tp are then unused)
+    profile: list[TPProfile] = field(default_factory=list)
 
     def validate(self) -> None:
         for name in ("short_tp", "long_tp", "max_tp"):
@@ -23,6 +48,16 @@ class PlannerConfig:
                 raise ConfigError(f"{name} must be a power of two >= 1, got {v}")
         if self.grow_ratio < 1:
             raise ConfigError(f"grow_ratio must be >= 1, got {self.grow_ratio}")
+        sizes = [row.tp for row in self.profile]
+        if len(set(sizes)) != len(sizes):
+            raise ConfigError(f"profile lists a TP size twice: {sizes}")
+
+    def tp_choices(self, rollout_ranks: int, fixed_tp: int) -> list[int]:
+        """Every rollout TP the planner may pick (each rank builds an engine for each): powers of two
+        up to ``max_tp`` dividing the rollout ranks; only ``fixed_tp`` when the planner is off."""
+        if not self.enabled:
+            return [fixed_tp]
+        return [1 << k for k in range(self.max_tp.bit_length()) if rollout_ranks % (1 << k) == 0]
 
 
 @dataclass

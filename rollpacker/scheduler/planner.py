@@ -23,23 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rollpacker.configlib import ConfigError
-from rollpacker.scheduler.config import PlannerConfig
+from rollpacker.scheduler.config import PlannerConfig, TPProfile
 from rollpacker.scheduler.round import RoundKind
-
-
-@dataclass(frozen=True)
-class TPProfile:
-    """Measured or modeled capacity of one engine at a TP size."""
-
-    tp: int
-    decode_tokens_per_s: float  # saturated decode throughput of one engine
-    kv_capacity_tokens: int  # KV-cache tokens one engine holds
-
-    def round_seconds(self, engines: int, requests: int, tokens_per_request: float) -> float:
-        """Time to generate the round's tokens; over-subscribed KV is paid as recompute."""
-        demand = requests / engines * tokens_per_request
-        oversubscription = max(1.0, demand / self.kv_capacity_tokens)
-        return requests * tokens_per_request / (engines * self.decode_tokens_per_s) * oversubscription
 
 
 @dataclass
@@ -55,8 +40,8 @@ class ParallelismPlanner:
         self.cfg = cfg
         self.rollout_ranks = rollout_ranks
         self.fixed_tp = fixed_tp
-        self.profile = {p.tp: p for p in profile}
-        self._allowed = [t for t in _powers_of_two(cfg.max_tp) if rollout_ranks % t == 0]
+        self.profile = {p.tp: p for p in (profile or cfg.profile)}
+        self._allowed = cfg.tp_choices(rollout_ranks, fixed_tp)
         checked = [("short_tp", cfg.short_tp), ("long_tp", cfg.long_tp)] if cfg.enabled else []
         for name, tp in [*checked, ("fixed_tp", fixed_tp)]:
             if tp not in self._allowed:
@@ -111,11 +96,3 @@ class ParallelismPlanner:
     def _step(self, tp: int, *, up: bool) -> int:
         i = self._allowed.index(tp) if tp in self._allowed else 0
         return self._allowed[min(i + 1, len(self._allowed) - 1) if up else max(i - 1, 0)]
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    out, t = [], 1
-    while t <= limit:
-        out.append(t)
-        t *= 2
-    return out

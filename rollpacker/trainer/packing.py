@@ -54,17 +54,28 @@ def balance(lengths: Sequence[int], num_bins: int, start: Sequence[int] | None =
     return [sorted(b) for b in bins]
 
 
-def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Group item indices into micro-batches of at most ``budget`` tokens (first-fit decreasing).
+# What one more micro-batch costs on the padded (CPU) layout, in padded tokens: a forward and
+# backward of the example policy costs ~15 ms before its first token and ~0.1 ms per token.
+MICRO_BATCH_OVERHEAD_TOKENS = 150
 
-    An item longer than the budget gets a micro-batch of its own: the budget
-    bounds packing, it never drops or truncates a sequence.
+
+def pack(lengths: Sequence[int], budget: int, layout: Layout = "thd") -> list[list[int]]:
+    """Group item indices into micro-batches that each cost at most ``budget`` tokens.
+
+    A micro-batch costs what its layout computes on: the sum of its lengths
+    (``thd``, packed first-fit decreasing), or rows x its longest row
+    (``padded``, see ``_pack_padded``). An item longer than the budget gets a
+    micro-batch of its own: the budget bounds packing, it never drops or
+    truncates a sequence.
     """
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if layout == "padded":
+        return _pack_padded(lengths, order, budget)
     batches: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in order:
         for b, load in enumerate(loads):
             if load + lengths[i] <= budget:
                 batches[b].append(i)
@@ -74,6 +85,33 @@ def pack(lengths: Sequence[int], budget: int) -> list[list[int]]:
             batches.append([i])
             loads.append(lengths[i])
     return [sorted(b) for b in batches]
+
+
+def _pack_padded(lengths: Sequence[int], order: list[int], budget: int) -> list[list[int]]:
+    """Cut the items, longest first, into consecutive runs of least total padded cost.
+
+    Filling by real tokens would put one long response among short ones and
+    pad every short row up to it (2-3x the work on long-tailed batches).
+    Dynamic programme over the sorted items: ``best[j]`` is the cheapest
+    split of the ``j`` longest, a run's cost is rows x its first (widest) row
+    plus the per-micro-batch overhead.
+    """
+    width = [lengths[i] for i in order]
+    best = [0] + [None] * len(order)
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j - 1, -1, -1):
+            rows = j - i
+            if rows > 1 and rows * width[i] > budget:  # earlier starts are wider and longer still
+                break
+            cost = best[i] + rows * width[i] + MICRO_BATCH_OVERHEAD_TOKENS
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], len(order)
+    while j:
+        batches.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return batches[::-1]
 
 
 TOKEN_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "weights", "rollout_logprobs",
@@ -175,7 +213,7 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
 
 def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,
                        pad_multiple: int = 1) -> list[MicroBatch]:
-    """Pack ``samples`` into micro-batches of at most ``budget`` tokens each."""
-    groups = pack([sequence_length(s) for s in samples], budget)
+    """Pack ``samples`` into micro-batches that each cost at most ``budget`` tokens in ``layout``."""
+    groups = pack([sequence_length(s) for s in samples], budget, layout)
     return [build_micro_batch([samples[i] for i in g], aggregation=aggregation, layout=layout,
                               pad_multiple=pad_multiple) for g in groups]
