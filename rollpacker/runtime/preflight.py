@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,8 @@ def preflight(argv: list[str] | None) -> Preflight:
     except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"rollpacker: cannot start: {exc}", file=sys.stderr)
+        else:  # torchrun stops every rank once one exits: give rank 0 (same check, same error) time to report
+            time.sleep(10)
         sys.exit(2)
     return Preflight(cfg=cfg, tokenizer=tokenizer, run_dir=(Path(cfg.run.output_dir) / cfg.run.name).resolve())
 

@@ -1,0 +1,99 @@
+"""Does tail batching cost accuracy, and is the short rounds' response race the cause?
+
+    python -m bench.race_bias [--seeds 3,4,5] [--steps 10] [--out runs/race_bias]
+
+Three configurations of the real program (``configs/tiny-cpu.yaml``, P0=16,
+R0=4), each at every seed (seed = data order + sampling + Megatron init, the
+same across configurations):
+
+* baseline   - synchronous: every response of P0 x R0 trained;
+* rollpacker - every component, as shipped: short rounds launch 5 responses
+               per prompt and keep the first R0=4 to finish (the response race);
+* no_race    - the same with ``scheduler.eta_r=1``: short rounds still over-launch
+               prompts and defer the slow ones to long rounds, but keep every
+               response of a finished prompt, so no response is dropped for being long.
+
+After each run, its final policy is sampled on the held-out prompts (4 per
+prompt, same sampling seed for every policy). Printed: held-out pass@1 and
+median response length per run, each configuration's mean, and its paired
+difference from the baseline of the same seed (mean and std over seeds). If
+``no_race`` matches the baseline while ``rollpacker`` does not, the response
+race is the cause. Runs are not timed here (``bench/e2e.py`` does that).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from bench import e2e
+from bench import e2e_report as rep
+
+CONFIGS = {"baseline": rep.MODES[0].overrides, "rollpacker": rep.MODES[-1].overrides,
+           "no_race": {**rep.MODES[-1].overrides, "scheduler.eta_r": "1.0"}}
+
+
+def evaluate(out: Path, name: str, eval_n: int) -> dict[str, float]:
+    """Held-out pass@1 and median length of a run's final policy (cached in OUT/eval.json)."""
+    from rollpacker.config import load_config
+    from rollpacker.examples.policy_report import evaluate_policy
+
+    cache = out / "eval.json"
+    done = json.loads(cache.read_text()) if cache.exists() else {}
+    if name not in done:
+        cfg = load_config(e2e.REPO / e2e.CONFIG).resolve(e2e.REPO)
+        policy = cfg.model.path if name == "start" else str(sorted((out / name / "checkpoints").glob("step_*"))[-1]
+                                                              / "hf")
+        report, _ = evaluate_policy(policy, cfg.data.eval_files[0], n=eval_n, seed=0,
+                                    threads=2 * cfg.run.threads_per_rank,
+                                    max_new_tokens=cfg.rollout.max_response_length,
+                                    max_prompt_length=cfg.data.max_prompt_length)
+        done[name] = {"pass_at_1": report.pass_at_1, "median_length": report.median_length}
+        cache.write_text(json.dumps(done, indent=1))
+    return done[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.race_bias", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="3,4,5", help="default: seeds bench/e2e.py does not use")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--p0", type=int, default=16)
+    p.add_argument("--r0", type=int, default=4)
+    p.add_argument("--eval-n", type=int, default=4)
+    p.add_argument("--out", default="runs/race_bias")
+    p.add_argument("--chunk-timeout", type=float, default=3600.0)
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [(f"{key}-s{seed}", rep.Mode(key, key, overrides), seed)
+            for seed in seeds for key, overrides in CONFIGS.items()]
+    if not args.report_only:
+        for name, mode, seed in runs:
+            if not (out / name / "metrics.jsonl").exists():
+                e2e.run_chunk(args, name, mode, seed, args.steps)
+            print(f"  {name}: trained; held-out {evaluate(out, name, args.eval_n)}", flush=True)
+    start = evaluate(out, "start", args.eval_n)
+    result = {"start": start, "runs": {}}
+    print(f"\nheld-out pass@1 ({args.eval_n} samples per prompt), starting policy {start['pass_at_1']:.3f} "
+          f"(median length {start['median_length']:.0f}):")
+    print("| configuration | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | paired Δ vs baseline |")
+    print("|---|" + "---|" * (len(seeds) + 2))
+    for key in CONFIGS:
+        scores = {s: evaluate(out, f"{key}-s{s}", args.eval_n) for s in seeds}
+        result["runs"][key] = scores
+        delta = [scores[s]["pass_at_1"] - result["runs"]["baseline"][s]["pass_at_1"] for s in seeds]
+        spread = statistics.stdev(delta) if len(delta) > 1 else 0.0
+        cells = " | ".join(f"{scores[s]['pass_at_1']:.3f} (len {scores[s]['median_length']:.0f})" for s in seeds)
+        print(f"| {key} | {cells} | {statistics.fmean(x['pass_at_1'] for x in scores.values()):.3f} | "
+              f"{statistics.fmean(delta):+.3f} ± {spread:.3f} |")
+    (out / "race_bias.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
