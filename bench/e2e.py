@@ -1,6 +1,6 @@
 """End-to-end ablation of RollPacker on the built-in example, with accuracy parity, TRL and a projection.
 
-    python -m bench.e2e [--steps 10] [--seeds 0,1,2] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
+    python -m bench.e2e [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
 
 Runs the real program (``torchrun --nproc_per_node 2 -m rollpacker.train --config
 configs/tiny-cpu.yaml``) in five cumulative modes (baseline, tail batching,
@@ -27,6 +27,7 @@ import math
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10, help="steps per run; whole cycles of 5 (default 2 cycles)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated; baseline runs every seed, the ablation the first")
+    p.add_argument("--seeds", default="0,1,2,3,4,5",
+                   help="comma-separated; baseline runs every seed, the ablation the first")
     p.add_argument("--rollpacker-seeds", help="seeds for RollPacker (all components); default: --seeds")
     p.add_argument("--p0", type=int, default=16)
     p.add_argument("--r0", type=int, default=4)
@@ -329,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nAblation ({timing_note}):\n{ablation}")
     per_seed = {s: rep.speedup(data[f"{rep.BASELINE}-s{s}"]["summary"], data[f"{rep.ROLLPACKER}-s{s}"]["summary"])
                 for s in args.rp_seeds if s in args.seed_list}
-    print("RollPacker vs baseline per seed: " + ", ".join(f"seed {s}: {x:.2f}×" for s, x in per_seed.items()))
+    per_seed_text = ("All components vs the baseline, per seed: " + ", ".join(f"{x:.2f}×" for x in per_seed.values())
+                     + f" (geometric mean {math.exp(statistics.fmean(map(math.log, per_seed.values()))):.2f}×)"
+                     if per_seed else "")
+    print(per_seed_text)
 
     verdict = rep.parity_verdict([data[f"{rep.BASELINE}-s{s}"]["reward_last_cycle"] for s in args.seed_list],
                                  [data[f"{rep.ROLLPACKER}-s{s}"]["reward_last_cycle"] for s in args.rp_seeds])
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCluster-scale projection (rollpacker.sim):\n{proj_md}\n{PROJECTION_NOTE}")
 
     block = (f"**End to end on the built-in example** (`{command}`: the real program, 2 CPU ranks, "
-             f"P0={args.p0}, R0={args.r0}, {args.steps} steps; {timing_note}):\n\n{ablation}\n\n"
+             f"P0={args.p0}, R0={args.r0}, {args.steps} steps; {timing_note}):\n\n{ablation}\n\n{per_seed_text}\n\n"
              f"Accuracy parity, {len(args.seed_list)} baseline seeds ({args.plot}): {rep.parity_text(verdict)}\n\n"
              f"{held_text}\n\n"
              f"![reward vs trained prompts]({args.plot})\n\n{trl_md}\n\n"
