@@ -22,6 +22,7 @@ import argparse
 import random
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -29,40 +30,52 @@ from megatron_ext.parallel import setup_layout
 from rollpacker.examples import task
 from rollpacker.sample import Prompt, Sample
 from rollpacker.testing import REPO_ROOT
-from rollpacker.trainer.backend import micro_batch_loss
+from rollpacker.trainer.backend import Backend, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch, pack, sequence_length
 from rollpacker.trainer.stream import with_advantages
 from rollpacker.trainer.trainer import Trainer
 
 
-def batch(prompts: int, responses: int, seed: int) -> list[Sample]:
+def task_tail_lengths(rng: random.Random, n: int) -> list[int]:
+    """A group's response lengths under the built-in task's long tail (7 tokens a step)."""
+    steps = task.sample_num_steps(rng)
+    return [7 * steps + 4 + rng.randint(0, 6) for _ in range(n)]
+
+
+def batch(prompts: int, responses: int, seed: int,
+          lengths: Callable[[random.Random, int], list[int]] = task_tail_lengths) -> list[Sample]:
+    """``prompts`` groups of ``responses`` random-token samples with GRPO advantages."""
     rng = random.Random(seed)
     out = []
     for uid in range(prompts):
-        steps = task.sample_num_steps(rng)
         prompt = Prompt(uid=uid, input_ids=[rng.randrange(3, 250) for _ in range(rng.randint(30, 50))],
                         data_source="bench")
         group = [Sample(prompt=prompt, response_index=i, reward=float(rng.random() < 0.5), finish_reason="stop",
-                        response_ids=[rng.randrange(3, 250) for _ in range(7 * steps + 4 + rng.randint(0, 6))])
-                 for i in range(responses)]
+                        response_ids=[rng.randrange(3, 250) for _ in range(n)])
+                 for i, n in enumerate(lengths(rng, responses))]
         out += with_advantages(group, TrainerConfig())
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def policy_trainer_bench(doc: str) -> tuple[argparse.Namespace, TrainerConfig, Backend, Callable]:
+    """The trainer benchmarks' shared setup: arguments, the shipped policy's CPU backend, the GRPO loss."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--responses", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="configs/tiny-cpu.yaml's budget")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, params_dtype="fp32")
-    trainer = Trainer(cfg, REPO_ROOT / "assets" / "policy", setup_layout())
-    backend = trainer.backend
+    backend = Trainer(cfg, REPO_ROOT / "assets" / "policy", setup_layout()).backend
     loss_fn = partial(micro_batch_loss, cfg=cfg, tp_group=backend.layout.tp_group, vocab_size=backend.vocab_size)
+    return args, cfg, backend, loss_fn
+
+
+def main() -> None:
+    args, cfg, backend, loss_fn = policy_trainer_bench(__doc__)
     totals = {m: {"s": 0.0, "padded": 0, "micro_batches": 0} for m in ("tokens", "padded")}
     real = 0
     for step in range(args.steps):

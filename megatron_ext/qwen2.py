@@ -25,8 +25,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext import cpu_compat
+from megatron_ext.sdpa_attention import SDPADotProductAttention
 from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
 
 VOCAB_MULTIPLE = 128
@@ -67,6 +69,15 @@ def _use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def _layer_spec() -> ModuleSpec:
+    """Transformer Engine's layer where it runs; elsewhere Megatron's local layer with fused SDPA."""
+    if _use_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return spec
+
+
 class Qwen2Model(GPTModel):
     """A ``GPTModel`` that keeps the HF architecture it was built from, for weight conversion."""
 
@@ -91,10 +102,8 @@ def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torc
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     tp, pp, cp = pgs.tp.size(), pgs.pp.size(), pgs.cp.size()
     config = transformer_config(spec, tp=tp, pp=pp, cp=cp, params_dtype=params_dtype)
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if _use_transformer_engine()
-                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
     return Qwen2Model(
-        spec, config=config, transformer_layer_spec=layer_spec, vocab_size=padded_vocab_size(spec, tp),
+        spec, config=config, transformer_layer_spec=_layer_spec(), vocab_size=padded_vocab_size(spec, tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,

@@ -1,0 +1,65 @@
+"""Megatron's local core attention computed by ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core's ``DotProductAttention`` (the core attention of the local,
+non-Transformer-Engine layer spec) materialises the ``[b, heads, s, s]`` scores,
+a separate softmax and the probabilities kept for backward. On a CPU that
+makes a micro-batch of long rows cost far more than its tokens (8 rows of 480
+tokens took 2.8x the time of 4 such rows). PyTorch's fused SDPA computes the
+same attention blockwise. This subclass keeps Megatron's module (init, TP
+head split, checkpoint layout) and replaces only the arithmetic; it is used
+where Transformer Engine is not, i.e. the CPU path.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from torch import Tensor, nn
+
+
+class SDPADotProductAttention(DotProductAttention):
+    """Causal (or explicitly masked) attention; same inputs and output layout as the parent."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SDPA core attention supports softmax_type='vanilla' only, "
+                             f"got {config.softmax_type!r}")
+        super().__init__(config, *args, **kwargs)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params=None) -> Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPA core attention takes neither packed sequences nor an attention bias")
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask_type = attn_mask_type or self.attn_mask_type
+        # Megatron's boolean masks mark the positions to hide; SDPA's mark those to keep.
+        mask = None if attention_mask is None else ~attention_mask
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and mask_type == AttnMaskType.causal,
+            dropout_p=self.attention_dropout.p if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=q.size(1) != k.size(1))
+        # [b, heads, s, d] -> [s, b, heads * d]
+        return context.permute(2, 0, 1, 3).reshape(context.size(2), context.size(0), self.hidden_size_per_partition)
+
+
+@contextlib.contextmanager
+def megatron_attention(model: nn.Module) -> Iterator[int]:
+    """Compute ``model``'s core attention with Megatron's own ``DotProductAttention`` inside the block.
+
+    The reference this module replaces, for parity checks and ``bench/bench_attention.py``;
+    the subclass adds no state, so switching the class back and forth is exact. Yields the
+    number of attention modules switched.
+    """
+    modules = [m for m in model.modules() if type(m) is SDPADotProductAttention]
+    for m in modules:
+        m.__class__ = DotProductAttention
+    try:
+        yield len(modules)
+    finally:
+        for m in modules:
+            m.__class__ = SDPADotProductAttention
