@@ -197,28 +197,29 @@ PROJECTION_NOTE = (
     "rollout figures; the published end-to-end figures also contain the async-reward and stream-trainer gains.")
 
 
-def held_out_pass(args: argparse.Namespace, names: list[str]) -> dict[str, float]:
-    """pass@1 on the held-out prompts of each run's final policy (its checkpoint's HF export) and of
-    the starting policy: unlike the training reward, it does not depend on which responses a round
-    kept (short rounds keep the first to finish). Same sampling seed for every policy."""
+def held_out_runs(out: Path, names: list[str], eval_n: int) -> dict[str, dict[str, float]]:
+    """pass@1 and median response length on the held-out prompts of each run's final policy (its
+    checkpoint's HF export; ``"start"``: the starting policy), cached in ``out/eval.json``. Unlike
+    the training reward, it does not depend on which responses a round kept (short rounds keep the
+    first to finish). Same sampling seed for every policy."""
     from rollpacker.config import load_config
     from rollpacker.examples.policy_report import evaluate_policy
 
-    cache = Path(args.out) / "eval.json"
+    cache = out / "eval.json"
     done = json.loads(cache.read_text()) if cache.exists() else {}
     cfg = load_config(REPO / CONFIG).resolve(REPO)
-    for name in ["start", *names]:
-        key = f"{name}:n{args.eval_n}"
+    for name in names:
+        key = f"{name}:n{eval_n}"
         if key not in done:
             policy = cfg.model.path if name == "start" else str(sorted(
-                (Path(args.out) / name / "checkpoints").glob("step_*"))[-1] / "hf")
-            report, _ = evaluate_policy(policy, cfg.data.eval_files[0], n=args.eval_n, seed=0,
+                (out / name / "checkpoints").glob("step_*"))[-1] / "hf")
+            report, _ = evaluate_policy(policy, cfg.data.eval_files[0], n=eval_n, seed=0,
                                         threads=2 * cfg.run.threads_per_rank,
                                         max_new_tokens=cfg.rollout.max_response_length,
                                         max_prompt_length=cfg.data.max_prompt_length)
-            done[key] = report.pass_at_1
+            done[key] = {"pass_at_1": report.pass_at_1, "median_length": report.median_length}
             cache.write_text(json.dumps(done, indent=1))
-    return {name: done[f"{name}:n{args.eval_n}"] for name in ["start", *names]}
+    return {name: done[f"{name}:n{eval_n}"] for name in names}
 
 
 def plot(runs: dict[str, dict[str, Any]], trl: dict[str, Any] | None, cycle_prompts: int, path: Path) -> None:
@@ -309,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "time/rollout_s", "time/train_s", "time/sync_s",
                                                        "time/checkpoint_s")} for r in recs]}
     # Held-out pass@1 of every run's final policy (cached in OUT/eval.json).
-    held_out = held_out_pass(args, list(data)) if args.eval_n else {}
+    evals = held_out_runs(Path(args.out), ["start", *data], args.eval_n) if args.eval_n else {}
+    held_out = {name: e["pass_at_1"] for name, e in evals.items()}
     s0 = args.seed_list[0]
     base = data[f"{rep.BASELINE}-s{s0}"]
     rows = []

@@ -35,30 +35,10 @@ CONFIGS = {"baseline": rep.MODES[0].overrides, "rollpacker": rep.MODES[-1].overr
            "no_race": {**rep.MODES[-1].overrides, "scheduler.eta_r": "1.0"}}
 
 
-def evaluate(out: Path, name: str, eval_n: int) -> dict[str, float]:
-    """Held-out pass@1 and median length of a run's final policy (cached in OUT/eval.json)."""
-    from rollpacker.config import load_config
-    from rollpacker.examples.policy_report import evaluate_policy
-
-    cache = out / "eval.json"
-    done = json.loads(cache.read_text()) if cache.exists() else {}
-    if name not in done:
-        cfg = load_config(e2e.REPO / e2e.CONFIG).resolve(e2e.REPO)
-        policy = cfg.model.path if name == "start" else str(sorted((out / name / "checkpoints").glob("step_*"))[-1]
-                                                              / "hf")
-        report, _ = evaluate_policy(policy, cfg.data.eval_files[0], n=eval_n, seed=0,
-                                    threads=2 * cfg.run.threads_per_rank,
-                                    max_new_tokens=cfg.rollout.max_response_length,
-                                    max_prompt_length=cfg.data.max_prompt_length)
-        done[name] = {"pass_at_1": report.pass_at_1, "median_length": report.median_length}
-        cache.write_text(json.dumps(done, indent=1))
-    return done[name]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.race_bias", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", default="3,4,5", help="default: seeds bench/e2e.py does not use")
+    p.add_argument("--seeds", default="3,4,5", help="comma-separated")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--p0", type=int, default=16)
     p.add_argument("--r0", type=int, default=4)
@@ -76,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, mode, seed in runs:
             if not (out / name / "metrics.jsonl").exists():
                 e2e.run_chunk(args, name, mode, seed, args.steps)
-            print(f"  {name}: trained; held-out {evaluate(out, name, args.eval_n)}", flush=True)
-    start = evaluate(out, "start", args.eval_n)
+            print(f"  {name}: trained; held-out {e2e.held_out_runs(out, [name], args.eval_n)[name]}", flush=True)
+    evals = e2e.held_out_runs(out, ["start", *(name for name, _, _ in runs)], args.eval_n)
+    start = evals["start"]
     result = {"start": start, "runs": {}}
     print(f"\nheld-out pass@1 ({args.eval_n} samples per prompt), starting policy {start['pass_at_1']:.3f} "
           f"(median length {start['median_length']:.0f}):")
     print("| configuration | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | paired Δ vs baseline |")
     print("|---|" + "---|" * (len(seeds) + 2))
     for key in CONFIGS:
-        scores = {s: evaluate(out, f"{key}-s{s}", args.eval_n) for s in seeds}
+        scores = {s: evals[f"{key}-s{s}"] for s in seeds}
         result["runs"][key] = scores
         delta = [scores[s]["pass_at_1"] - result["runs"]["baseline"][s]["pass_at_1"] for s in seeds]
         spread = statistics.stdev(delta) if len(delta) > 1 else 0.0

@@ -1,6 +1,7 @@
 """The rollout scheduler: tail batching, its baseline, and the parallelism planner."""
 from rollpacker.scheduler.clock import Clock, RealClock, VirtualClock
-from rollpacker.scheduler.planner import ParallelismPlanner, TPProfile
+from rollpacker.scheduler.config import TPProfile
+from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import EventSource, PromptSource, RewardSink, Score, ScoreFuture
 from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult, RoundStats
 from rollpacker.scheduler.scheduler import Scheduler

@@ -20,11 +20,11 @@ from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import RolloutEngine, SamplingParams
 from rollpacker.scheduler.clock import Clock
-from rollpacker.scheduler.config import SchedulerConfig
+from rollpacker.scheduler.config import SchedulerConfig, TPProfile
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.modes import make_policy
-from rollpacker.scheduler.planner import ParallelismPlanner, TPProfile
+from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import PromptSource, RewardSink
 from rollpacker.scheduler.queue import LongPromptQueue
 from rollpacker.scheduler.race import GroupCallback, RoundRunner

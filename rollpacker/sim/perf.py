@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rollpacker.scheduler.planner import TPProfile
+from rollpacker.scheduler.config import TPProfile
 
 
 @dataclass(frozen=True)
