@@ -41,8 +41,12 @@ def padded_vocab_size(spec: Qwen2Spec, tp: int) -> int:
 
 
 def transformer_config(spec: Qwen2Spec, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                       params_dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    """The Megatron config of a Qwen2 model, for the given parallel sizes and parameter dtype."""
+                       params_dtype: torch.dtype = torch.float32, recompute: bool = False) -> TransformerConfig:
+    """The Megatron config of a Qwen2 model, for the given parallel sizes and parameter dtype.
+
+    ``recompute``: full activation recompute, one layer per checkpoint: each layer keeps only its
+    input and recomputes the rest in backward.
+    """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be torch.float32 or torch.bfloat16, got {params_dtype}")
     spec.check_tp(tp)
@@ -61,6 +65,7 @@ def transformer_config(spec: Qwen2Spec, *, tp: int = 1, pp: int = 1, cp: int = 1
         init_method_std=spec.initializer_range,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         **cpu_compat.config_kwargs(),
     )
 
@@ -88,7 +93,7 @@ class Qwen2Model(GPTModel):
 
 def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torch.dtype = torch.float32,
                 pre_process: bool = True, post_process: bool = True,
-                pg_collection: ProcessGroupCollection | None = None) -> Qwen2Model:
+                pg_collection: ProcessGroupCollection | None = None, recompute: bool = False) -> Qwen2Model:
     """A randomly initialised Qwen2 model for this rank's TP shard and PP stage.
 
     Needs an initialised layout (:func:`megatron_ext.parallel.setup_layout`);
@@ -101,10 +106,19 @@ def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torc
     spec = parse_spec(hf_config)
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     tp, pp, cp = pgs.tp.size(), pgs.pp.size(), pgs.cp.size()
-    config = transformer_config(spec, tp=tp, pp=pp, cp=cp, params_dtype=params_dtype)
-    return Qwen2Model(
+    config = transformer_config(spec, tp=tp, pp=pp, cp=cp, params_dtype=params_dtype, recompute=recompute)
+    model = Qwen2Model(
         spec, config=config, transformer_layer_spec=_layer_spec(), vocab_size=padded_vocab_size(spec, tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
         pg_collection=pgs)
+    # The local spec's torch norms are created in fp32 whatever params_dtype says (TE's follow it, and
+    # HF's bf16 checkpoints hold bf16 norms). Mixed dtypes give Megatron's DDP a second, fp32 buffer
+    # whose optimizer shards are views into it; on H100 that broke offload and optimizer-state
+    # loading of the distributed optimizer. One dtype for every parameter, as on the TE path.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != params_dtype:
+                p.data = p.data.to(params_dtype)
+    return model

@@ -25,7 +25,7 @@ def _cfg(model_dir: Path, *overrides: str):
 @pytest.mark.parametrize("name,tp,pp,cp,rollout_tp,max_len,world", [
     ("qwen2.5-7b", 2, 1, 1, 1, 8192, 16),
     ("qwen2.5-14b", 2, 2, 2, 2, 16384, 32),
-    ("qwen2.5-32b", 4, 1, 4, 2, 32768, 64),
+    ("qwen2.5-32b", 4, 1, 4, 4, 32768, 64),
 ])
 def test_published_configs(name, tp, pp, cp, rollout_tp, max_len, world):
     cfg = load_config(CONFIGS / f"{name}.yaml")

@@ -149,3 +149,28 @@ def test_megatron_attention_switches_every_layer_back_and_the_model_output_agree
         reference = model(ids, positions, attention_mask=None)
     assert all(type(layer.self_attention.core_attention) is SDPADotProductAttention for layer in model.decoder.layers)
     assert (fused - reference).abs().max().item() < 1e-5
+
+
+def test_packed_thd_forward_equals_each_sequence_alone(ckpts, layout):
+    """The GPU backend always feeds packed (THD) micro-batches; without Transformer Engine they run through
+    the local spec's SDPA attention, which must keep sequences apart and restart positions per sequence."""
+    from rollpacker.sample import Prompt, Sample
+    from rollpacker.trainer.backend_gpu import cp_shard
+    from rollpacker.trainer.packing import build_micro_batch
+
+    model = build_model(ckpts["untied"], pg_collection=layout.pg_collection)
+    gen = torch.Generator().manual_seed(3)
+    samples = [Sample(prompt=Prompt(uid=i, input_ids=torch.randint(0, 250, (p,), generator=gen).tolist(),
+                                    data_source="synthetic"),
+                      response_index=0, response_ids=torch.randint(0, 250, (r,), generator=gen).tolist(),
+                      reward=1.0, advantage=1.0)
+               for i, (p, r) in enumerate([(5, 9), (3, 1), (8, 14), (2, 6)])]
+    thd = build_micro_batch(samples, aggregation="token_mean", layout="thd", pad_multiple=4)
+    assert (thd.cu_seqlens != thd.cu_seqlens_unpadded).any()  # padding between sequences is exercised
+    shard, params = cp_shard(thd, cp=1, cp_rank=0)
+    packed = model(shard.input_ids, shard.position_ids, attention_mask=None, packed_seq_params=params)[0]
+    starts, lengths = thd.cu_seqlens[:-1].tolist(), thd.cu_seqlens_unpadded.diff().tolist()
+    for s, start, n in zip(samples, starts, lengths):
+        ids = torch.tensor([s.prompt.input_ids + s.response_ids])
+        alone = model(ids, torch.arange(n)[None], attention_mask=None)[0]
+        assert (packed[start:start + n] - alone).abs().max().item() < 1e-5

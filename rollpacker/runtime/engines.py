@@ -74,7 +74,7 @@ class EngineSets:
     def max_weight_diff(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> float:
         """Collective: the largest |engine weight - trainer weight| over every rank's shards."""
         diff = torch.tensor([self.active.max_weight_diff(named_tensors)], dtype=torch.float64)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.world.control)
         return float(diff.item())
 
     def shutdown(self) -> None:

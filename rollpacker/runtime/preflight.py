@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rollpacker.config import Config, check_layout, load_config
 from rollpacker.configlib import ConfigError
+from rollpacker.plan import check_memory
 
 
 @dataclass
@@ -37,6 +38,7 @@ def preflight(argv: list[str] | None) -> Preflight:
     try:
         cfg = load_config(args.config, args.overrides).resolve(Path.cwd())
         check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_memory(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # GPU runs: every phase fits the device
         tokenizer = load_tokenizer(cfg.model.path, cfg.source)
         from rollpacker.data.dataset import PromptDataset
         for split in ("train", "eval") if cfg.data.eval_files else ("train",):

@@ -37,7 +37,7 @@ class RolloutPhase:
         self.rank = dist.get_rank()
         self.scheduler, self.reward = scheduler, reward  # rank 0 only
         self.server, self.inbox = EngineServer(), GroupInbox()
-        self.endpoints = exchange_endpoints(self.server.port, self.inbox.port)
+        self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=engines.world.control)
         self._proxies: dict[tuple[int, int], RemoteEngine] = {}
         self.streaming = None
         if self.rank == 0 and replica_of is not None:
@@ -105,8 +105,8 @@ class RolloutPhase:
         self.inbox.close()
 
 
-def broadcast_groups(groups: list[list[Sample]] | None) -> list[list[Sample]]:
-    """Collective: rank 0's groups on every rank."""
+def broadcast_groups(groups: list[list[Sample]] | None, group: dist.ProcessGroup) -> list[list[Sample]]:
+    """Collective over ``group`` (the control group): rank 0's groups on every rank."""
     box = [groups]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

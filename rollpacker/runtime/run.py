@@ -42,11 +42,14 @@ class Run:
         planner = cfg.scheduler.planner
         tp_sizes = planner.tp_choices(world.size, cfg.rollout.tp)
         world.build_rollout_layouts(tp_sizes)
+        # Engines first: an engine sizes its KV pool from the device memory free when it starts, and
+        # during rollout the trainer is offloaded, so it must not be resident yet (SGLang takes a
+        # fraction of what is free at init).
+        self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes)
         layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, seed=cfg.run.seed)
         self.trainer = Trainer(cfg.trainer, cfg.model.path, layout)
-        self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes)
         self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline)
-        self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints, group=world.control)
         self.ckpt.install_sigterm_handler()
         self.coordinator = world.rank == 0
         scheduler = sink = None
@@ -63,7 +66,7 @@ class Run:
                         "the stream trainer; streaming needs >= 2 long-round engines (a smaller rollout TP)",
                         world.size)
         # a rank's training replica decides whether its engine may leave a long round to stream-train
-        replica_of = replica_of_ranks(layout.dp_rank) if cfg.trainer.stream else None
+        replica_of = replica_of_ranks(layout.dp_rank, world.control) if cfg.trainer.stream else None
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=sink, replica_of=replica_of,
                                           trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
         self.seconds: dict[str, float] = {}
@@ -93,7 +96,7 @@ class Run:
         self._step_started = time.monotonic()
         plan = self.scheduler.plan_round() if self.coordinator else None
         box = [plan.tp if plan else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.world.control)
         self.engines.select(box[0])
         return plan
 
@@ -122,7 +125,7 @@ class Run:
         """Train on the groups not streamed during rollout, then take the step's one optimizer step."""
         self.phases.to(Phase.TRAIN)
         with self._timed("train"):
-            groups = broadcast_groups(self.rollout_phase.unstreamed(result))
+            groups = broadcast_groups(self.rollout_phase.unstreamed(result), self.world.control)
             # Groups arrive in completion order, which depends on timing; a canonical order
             # makes the update bit-reproducible (a resumed run repeats the uninterrupted one).
             groups = sorted((sorted(g, key=lambda s: s.response_index) for g in groups),
@@ -132,7 +135,7 @@ class Run:
 
     def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
         """Metrics, timeline, ledger and checkpoint; returns True when the run must stop now."""
-        spans = self.timeline.gather()
+        spans = self.timeline.gather(self.world.control)
         stop = self.ckpt.any_stop_requested()
         every = self.cfg.run.save_every
         if stop or (every and step % every == 0) or step == self.cfg.run.steps:

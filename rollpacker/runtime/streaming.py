@@ -141,8 +141,9 @@ def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[
     return n
 
 
-def replica_of_ranks(dp_rank: int) -> list[int]:
-    """Collective: every rank's training replica (its data-parallel rank: TP, PP and CP peers share one)."""
-    everyone: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dp_rank)
+def replica_of_ranks(dp_rank: int, group: dist.ProcessGroup) -> list[int]:
+    """Collective over ``group`` (the control group): every rank's training replica (its data-parallel
+    rank: TP, PP and CP peers share one)."""
+    everyone: list[int | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, dp_rank, group=group)
     return [int(x) for x in everyone]

@@ -7,6 +7,14 @@ engine led by its first rank, and a block never spans nodes. The rollout
 layouts are plain ``torch.distributed`` groups held here and passed
 explicitly; Megatron's ``parallel_state`` globals describe the training
 layout only.
+
+Two kinds of traffic, two kinds of group. Device tensors (gradients, weights,
+activations) go over the default group and the groups derived from it (NCCL
+on GPU). Control messages (stop flags, plans, object broadcasts, timelines)
+are small host objects and go over ``World.control``, a gloo group over every
+rank: NCCL refuses CPU tensors ("No backend type associated with device type
+cpu"), and an idle NCCL wait would spin a kernel on the GPU and trip the NCCL
+watchdog during a long round.
 """
 from __future__ import annotations
 
@@ -16,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# A long round keeps the ranks that do not coordinate waiting at the next control collective.
+CONTROL_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -42,13 +53,14 @@ class World:
     size: int
     local_size: int  # ranks per node
     device: torch.device
+    control: dist.ProcessGroup  # gloo over every rank: host-side flags and objects
     rollout: dict[int, RolloutLayout] = field(default_factory=dict)
 
     @classmethod
     def init(cls, threads_per_rank: int = 1) -> "World":
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+            dist.init_process_group(backend, timeout=CONTROL_TIMEOUT)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
@@ -57,7 +69,9 @@ class World:
             torch.set_num_threads(threads_per_rank)
             device = torch.device("cpu")
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_size=local_size, device=device)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        return cls(rank=dist.get_rank(), size=dist.get_world_size(), local_size=local_size, device=device,
+                   control=control)
 
     def build_rollout_layouts(self, tp_sizes: set[int] | list[int]) -> None:
         """Collective: create the engine groups of every TP size the planner may choose."""

@@ -37,15 +37,18 @@ class PlannerConfig:
     grow_ratio: float = 1.05  # preemptions rising by more than this step over step -> double TP
     shrink_after_steps: int = 4  # steps with zero preemptions -> halve TP
     max_tp: int = 8  # a TP group never spans nodes: at most the GPUs per node
+    min_tp: int = 1  # smaller engines are not built (rollpacker.plan: weights that do not fit)
     # one row per TP size; with rows, a round kind starts at the TP they predict fastest
     # (short_tp/long_tp are then unused)
     profile: list[TPProfile] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("short_tp", "long_tp", "max_tp"):
+        for name in ("short_tp", "long_tp", "max_tp", "min_tp"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 1, got {v}")
+        if self.min_tp > self.max_tp:
+            raise ConfigError(f"min_tp={self.min_tp} must be <= max_tp={self.max_tp}")
         if self.grow_ratio < 1:
             raise ConfigError(f"grow_ratio must be >= 1, got {self.grow_ratio}")
         sizes = [row.tp for row in self.profile]
@@ -54,10 +57,11 @@ class PlannerConfig:
 
     def tp_choices(self, rollout_ranks: int, fixed_tp: int) -> list[int]:
         """Every rollout TP the planner may pick (each rank builds an engine for each): powers of two
-        up to ``max_tp`` dividing the rollout ranks; only ``fixed_tp`` when the planner is off."""
+        from ``min_tp`` to ``max_tp`` dividing the rollout ranks; only ``fixed_tp`` when the planner is off."""
         if not self.enabled:
             return [fixed_tp]
-        return [1 << k for k in range(self.max_tp.bit_length()) if rollout_ranks % (1 << k) == 0]
+        return [1 << k for k in range(self.max_tp.bit_length())
+                if 1 << k >= self.min_tp and rollout_ranks % (1 << k) == 0]
 
 
 @dataclass

@@ -26,6 +26,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
@@ -39,9 +40,13 @@ def cp_shard(mb: MicroBatch, cp: int, cp_rank: int) -> tuple[MicroBatch, PackedS
 
     Megatron's THD helper cuts every (padded) sequence into ``2*cp`` chunks and
     gives rank r chunks r and 2*cp-1-r (load-balanced causal attention); with
-    cp == 1 it keeps everything. Every per-token tensor is cut the same way.
+    cp == 1 it keeps everything. Every per-token tensor is cut the same way,
+    except ``ref_logprobs``: the KL reference pass computed them with this very
+    cut (a forward-only pass over the same micro-batch on the same rank), so
+    they are already this rank's.
     """
-    fields = {name: getattr(mb, name) for name in TOKEN_FIELDS if getattr(mb, name) is not None}
+    fields = {name: getattr(mb, name) for name in TOKEN_FIELDS
+              if name != "ref_logprobs" and getattr(mb, name) is not None}
     batch = {("tokens" if k == "input_ids" else k): v for k, v in fields.items()}
     batch, params = get_thd_batch_on_this_cp_rank(
         batch, mb.cu_seqlens_unpadded, mb.cu_seqlens, torch.tensor([mb.max_seqlen]), cp_size=cp, cp_rank=cp_rank)
@@ -67,6 +72,33 @@ def _host_param_state(optimizer: Any) -> dict:
                             entry[name] = value.detach().to("cpu", copy=True)
                     entry["padding"] = False
     return state
+
+
+def schedule_groups(layout: ParallelLayout, config: Any) -> dict[str, Any]:
+    """The process-group arguments of Megatron's schedule for this layout.
+
+    The pipelined schedule of megatron-core 0.16.1 takes explicit groups only together with a
+    ``p2p_communicator`` (schedules.py: "provide none or provide all the process groups");
+    the no-pipelining one takes ``pg_collection`` alone.
+    """
+    if layout.pp == 1:
+        return {"pg_collection": layout.pg_collection}
+    return {"pg_collection": layout.pg_collection,
+            "p2p_communicator": P2PCommunicator(pp_group=layout.pp_group, config=config)}
+
+
+def _unshare_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` counter again.
+
+    Without TE or Apex, megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` puts one
+    tensor object in every parameter's state (``for s in state_dict_state.values(): s["step"] = step``),
+    and torch's Adam increments each parameter's counter in place: after a resume the shared counter
+    advanced once per parameter per step, so bias correction ran at step 1 + N*k (seen on H100: the
+    resumed optimizer's state differed from the uninterrupted one's by exactly N - 1).
+    """
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 class GpuBackend(Backend):
@@ -100,6 +132,7 @@ class GpuBackend(Backend):
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = None
         self._forward_backward_func = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
+        self._schedule_groups = schedule_groups(layout, config)
 
     def _forward_step(self, loss_fn: LossFn, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb, params = cp_shard(next(data_iterator).to(self.layout.device), self.layout.cp, self.layout.cp_rank)
@@ -121,7 +154,7 @@ class GpuBackend(Backend):
             forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
             model=[self.ddp], num_microbatches=len(micro_batches),
             seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
-            forward_only=forward_only, pg_collection=self.layout.pg_collection)
+            forward_only=forward_only, **self._schedule_groups)
         return [out["result"] for out in store] if self.layout.is_last_stage else []
 
     def zero_grad(self) -> None:
@@ -142,6 +175,9 @@ class GpuBackend(Backend):
         if not math.isfinite(norm):
             return StepResult(applied=False, grad_norm=norm)
         applied, norm, _ = self.optimizer.step()
+        # The step's activations and logits are freed now, but the caching allocator would keep
+        # their blocks; the engines resume weights and KV into this memory right after (SYNC).
+        torch.cuda.empty_cache()
         return StepResult(applied=bool(applied), grad_norm=float(norm))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
@@ -150,21 +186,29 @@ class GpuBackend(Backend):
         return {"chained": [{"common": o.state_dict(), "param_state": _host_param_state(o)}
                             for o in self.optimizer.chained_optimizers]}
 
+    @torch.no_grad()  # the main shards of fp32 params are views of leaves that require grad
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         chained = self.optimizer.chained_optimizers
         if len(state["chained"]) != len(chained):
             raise ValueError(f"optimizer checkpoint has {len(state['chained'])} optimizers, the model {len(chained)}")
         for o, s in zip(chained, state["chained"]):
             o.load_state_dict(s["common"])
+            _unshare_adam_steps(o)
             o.load_parameter_state_from_dp_reshardable(s["param_state"])
 
     def _move_state(self, to_host: bool) -> None:
+        # Order matters. The distributed optimizer's shards of fp32 model params (the local spec's
+        # norms stay fp32 in a bf16 model) are views into DDP's param buffer, and the buffer's
+        # offload frees its storage: the optimizer must copy its views out first (the reverse order
+        # fails with "CUDA error: invalid argument", seen on H100). Restored, those shards are
+        # separate tensors, which is safe: the optimizer copies every main shard back into the
+        # param buffer after each step (``_copy_main_params_to_model_params``).
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
         if to_host:
             torch.cuda.synchronize()
+            self.optimizer.offload_to_cpu()
             for buf in buffers:
                 buf.offload_to_cpu(move_params=True, move_grads=True)
-            self.optimizer.offload_to_cpu()
             torch.cuda.empty_cache()
         else:
             for buf in buffers:

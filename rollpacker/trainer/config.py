@@ -26,6 +26,9 @@ class TrainerConfig:
     loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     micro_batch_tokens: int = 8192
     params_dtype: Literal["fp32", "bf16"] = "bf16"
+    # full activation recompute: keep only each layer's input, rebuild the rest in backward
+    # (about a third more trainer compute; rollpacker.plan shows what it saves)
+    recompute: bool = False
     stream: bool = True  # stream trainer in long rounds
     stream_trigger_low: float = 0.2  # fraction of requests done before the hand-off may fire
     stream_trigger_high: float = 0.5

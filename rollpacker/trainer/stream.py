@@ -171,7 +171,7 @@ class StreamTrainer:
         # weights do not change within a step: copy them to host once, not once per streamed group
         if self._policy_on_host is None:
             self._policy_on_host = self.backend.params_to_host()
-        with self.backend.swapped_params(self.reference, current=self._policy_on_host):
+        with self.backend.swapped_params(self.reference, current=self._policy_on_host), torch.no_grad():
             ref = self.backend.forward_backward(mbs, self._ref_fn, forward_only=True)
         for mb, lp in zip(mbs, ref):  # empty off the last pipeline stage, which computes no loss
             mb.ref_logprobs = lp

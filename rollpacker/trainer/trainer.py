@@ -44,7 +44,7 @@ class Trainer:
         self.cfg, self.layout, self.model_dir = cfg, layout, Path(model_dir)
         self.model = build_model(self.model_dir, params_dtype=_DTYPES[cfg.params_dtype],
                                  pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                                 pg_collection=layout.pg_collection).to(layout.device)
+                                 pg_collection=layout.pg_collection, recompute=cfg.recompute).to(layout.device)
         load_hf_checkpoint(self.model, self.model_dir)
         self.backend = make_backend(self.model, layout, cfg)
         # The KL reference is the initial policy, kept on host and swapped in for its forward passes.
