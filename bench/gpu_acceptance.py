@@ -1,0 +1,258 @@
+"""The GPU acceptance run: everything a CUDA training run depends on, checked in one call.
+
+On the GPU machine (one GPU, no package index; bring the wheels made by bench/gpu_wheels.sh)::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD python3 -m bench.gpu_acceptance --device cuda --out OUT
+
+Anywhere, as a dry run of the same code on tiny shapes (the test suite runs it)::
+
+    python -m bench.gpu_acceptance --device cpu --out OUT
+
+Subjects: the shipped policy, and a random model of Qwen2.5-0.5B's shape (a tiny random model on
+CPU). Checks, each recorded with its figures and verdict even when another fails:
+
+* trainer (Megatron GPU backend: DDP + distributed optimizer + Megatron's schedule, packed THD):
+  log-prob parity with transformers, one GRPO step's gradients against the CPU fp32 backend, the
+  loss falling over a few steps, offload/onload moving the bytes they claim, optimizer state
+  save/load continuing exactly; tokens/s and MFU on the 0.5B shape;
+* rollout: the reference engine's greedy parity on the device, its tokens/s at batch 1-256 on the
+  0.5B shape, trainer -> engine weight-sync seconds;
+* the program end to end on one rank (the shipped policy and example): baseline and tail batching
+  back to back, seconds per step and their ratio.
+
+Writes ``OUT/acceptance.json`` (every figure) and ``OUT/acceptance.md`` (the summary), rewritten
+after each check so that a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from bench import gpu_rollout_checks as rollout
+from bench import gpu_trainer_checks as trainer
+from bench.gpu_trainer_checks import Subject, write_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Qwen2.5-0.5B's published config.json shape (random weights: nothing is downloaded).
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each check does: the GPU run's sizes, or the CPU dry run's."""
+    shape: dict
+    shape_name: str
+    shape_lr: float
+    loss_steps: int
+    throughput_tokens: int
+    throughput_micro_batches: int
+    engine_batches: tuple[int, ...]
+    engine_new_tokens: int
+    program_steps: int
+    program_timeout_s: int
+
+
+GPU = Sizes(QWEN25_05B, "qwen2.5-0.5b-shape", 2e-5, 6, 8192, 5, (1, 8, 32, 64, 128, 256), 128, 10, 480)
+CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400)
+
+
+class Report:
+    def __init__(self, out: Path, device: torch.device):
+        self.out, self.results = out, {"env": _environment(device), "checks": {}}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:  # record and go on: one GPU call must report every check
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result["seconds"] = time.perf_counter() - t0
+        self.results["checks"][name] = result
+        print(f"[acceptance] {name}: {'ok' if result['ok'] else 'FAIL'} ({result['seconds']:.1f}s)"
+              + (f" {result['error']}" if "error" in result else ""), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        write_json(self.out / "acceptance.json", self.results)
+        (self.out / "acceptance.md").write_text(markdown(self.results))
+
+    @property
+    def passed(self) -> bool:
+        return all(c["ok"] for c in self.results["checks"].values())
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    import megatron.core
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "megatron_core": megatron.core.__version__,
+           "transformer_engine": _has("transformer_engine"), "commit": _commit()}
+    if device.type == "cuda":
+        env["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return env
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["env"]
+    lines = [f"# GPU acceptance run: {env['device']}, {env['date']}", "",
+             f"torch {env['torch']} (CUDA {env['cuda']}), megatron-core {env['megatron_core']}, Python "
+             f"{env['python']}, Transformer Engine {'present' if env['transformer_engine'] else 'absent'}, "
+             f"commit {env['commit']}.", "", "| check | verdict | figures |", "|---|---|---|"]
+    for name, r in results["checks"].items():
+        figures = r.get("error") or ", ".join(f"{k}={_fmt(v)}" for k, v in r.items()
+                                              if k not in ("ok", "seconds", "traceback") and not isinstance(v, dict)
+                                              and not (isinstance(v, list) and len(v) > 12))
+        lines.append(f"| {name} | {'ok' if r['ok'] else '**FAIL**'} | {figures} ({r['seconds']:.1f} s) |")
+    for name, r in results["checks"].items():
+        for key, value in r.items():
+            if isinstance(value, dict):
+                lines.append(f"\n**{name} / {key}**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()
+                                                                 if not isinstance(v, (dict, list))))
+        if "rows" in r:
+            lines += ["", f"**{name}**", "", "| batch | tokens/s | seconds |", "|---|---|---|"]
+            lines += [f"| {row['batch']} | {row['tokens_per_s']:.0f} | {row['seconds']:.2f} |" for row in r["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Every check by name, bound to its subject (built lazily: only the chosen one runs)."""
+    from megatron_ext.parallel import setup_layout
+
+    sizes = GPU if device.type == "cuda" else CPU
+    layout = setup_layout(seed=1234)
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    subjects = [Subject("policy", REPO / "assets" / "policy", device, layout, dtype, lr=2e-4),
+                Subject(sizes.shape_name, work / sizes.shape_name, device, layout, dtype, lr=sizes.shape_lr)]
+    checks: dict[str, Callable[[], dict[str, Any]]] = {}
+    for s in subjects:
+        checks.update({f"{s.name}/logprob_parity": lambda s=s: trainer.check_logprob_parity(s),
+                       f"{s.name}/gradient_parity": lambda s=s: trainer.check_gradient_parity(s, work),
+                       f"{s.name}/loss_falls": lambda s=s: trainer.check_loss_falls(s, sizes.loss_steps),
+                       f"{s.name}/offload_and_optimizer_state": lambda s=s: trainer.check_offload_and_state(s),
+                       f"{s.name}/engine_greedy_parity": lambda s=s: rollout.check_greedy_parity(s)})
+    big = subjects[1]
+    checks.update({
+        f"{big.name}/trainer_throughput": lambda: trainer.check_throughput(
+            big, sizes.throughput_tokens, sizes.throughput_micro_batches),
+        f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
+            big, list(sizes.engine_batches), sizes.engine_new_tokens),
+        f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
+        "program/baseline_vs_tail_batching": lambda: rollout.check_program(
+            device, work, sizes.program_steps, sizes.program_timeout_s)})
+    return checks
+
+
+def check_names(device: torch.device) -> list[str]:
+    sizes = GPU if device.type == "cuda" else CPU
+    per_subject = ["logprob_parity", "gradient_parity", "loss_falls", "offload_and_optimizer_state",
+                   "engine_greedy_parity"]
+    return ([f"{name}/{c}" for name in ("policy", sizes.shape_name) for c in per_subject]
+            + [f"{sizes.shape_name}/{c}" for c in ("trainer_throughput", "engine_throughput", "weight_sync")]
+            + ["program/baseline_vs_tail_batching"])
+
+
+def run_one(device: torch.device, work: Path, name: str, result_file: Path) -> None:
+    """Entry of a check's own process: run it and write its result."""
+    result = check_table(device, work)[name]()
+    write_json(result_file, result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.gpu_acceptance", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    ref = sub.add_parser("grad-reference", help="(internal) the CPU fp32 backend's gradients for one step")
+    ref.add_argument("model_dir", type=Path)
+    ref.add_argument("out", type=Path)
+    ref.add_argument("--seed", type=int, default=2)
+    one = sub.add_parser("check", help="(internal) run one check in this process")
+    one.add_argument("name")
+    one.add_argument("work", type=Path)
+    one.add_argument("result", type=Path)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_acceptance")
+    p.add_argument("--only", nargs="*", help="run only the checks whose names start with these")
+    args = p.parse_args(argv)
+    if args.command == "grad-reference":
+        trainer.cpu_reference_gradients(args.model_dir, args.out, args.seed)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu for the dry run")
+    if args.command == "check":
+        run_one(torch.device(args.device), args.work, args.name, args.result)
+        return 0
+    return run(torch.device(args.device), args.out, only=args.only)
+
+
+def run(device: torch.device, out: Path, only: list[str] | None = None) -> int:
+    """Each check in a process of its own: a failed or leaky check cannot starve the next one of
+    device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``)."""
+    from rollpacker.testing import make_random_qwen2
+
+    sizes = GPU if device.type == "cuda" else CPU
+    report = Report(out, device)
+    work = out / "work"
+    work.mkdir(exist_ok=True)
+    if not (work / sizes.shape_name / "config.json").exists():
+        make_random_qwen2(work / sizes.shape_name, seed=11, **sizes.shape)
+    for name in check_names(device):
+        if only and not any(name.startswith(o) or name.split("/")[-1].startswith(o) for o in only):
+            continue
+        result_file = work / (name.replace("/", "__") + ".json")
+        result_file.unlink(missing_ok=True)
+        report.run(name, lambda name=name, f=result_file: _in_subprocess(device, work, name, f))
+    print(f"[acceptance] {'PASS' if report.passed else 'FAIL'}: {out / 'acceptance.md'}", flush=True)
+    return 0 if report.passed else 1
+
+
+def _in_subprocess(device: torch.device, work: Path, name: str, result_file: Path) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_acceptance", "--device", device.type, "check", name,
+                           str(work), str(result_file)], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0 or not result_file.exists():
+        errors = [line for line in proc.stderr.splitlines() if "warn" not in line.lower()]
+        last = next((line for line in reversed(errors) if line.strip()), f"exit {proc.returncode}")
+        return {"ok": False, "error": last, "traceback": "\n".join(errors[-80:])}
+    return json.loads(result_file.read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

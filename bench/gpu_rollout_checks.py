@@ -1,0 +1,152 @@
+"""The rollout half of the GPU acceptance run: the reference engine on the device, weight sync, and the
+whole program on one rank (see bench/gpu_acceptance.py)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.gpu_trainer_checks import Subject, trainer_config
+from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+from rollpacker.rollout.reference import ReferenceEngine
+from rollpacker.trainer.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _drain(engine: ReferenceEngine) -> dict[str, list[int]]:
+    out = {}
+    while engine.active_request_ids():
+        out.update((c.request_id, c.output_ids) for c in engine.poll(None))
+    return out
+
+
+def _hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            for _ in range(new_tokens):  # no EOS stop: the engine is asked for exactly new_tokens
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            outs.append(ids[0, len(p):].tolist())
+    del model
+    return outs
+
+
+def check_greedy_parity(subject: Subject, prompts: int = 8, new_tokens: int = 32) -> dict[str, Any]:
+    """The reference engine (fp32, continuous batching, paged KV) emits transformers' greedy tokens."""
+    vocab = parse_spec(subject.model_dir).vocab_size
+    rng = random.Random(7)
+    batch = [[rng.randrange(vocab) for _ in range(rng.randint(4, 40))] for _ in range(prompts)]
+    engine = ReferenceEngine(subject.model_dir, RolloutConfig(kv_cache_tokens=8192), device=subject.device,
+                             dtype=torch.float32)
+    engine.submit([GenerationRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
+                   for i, p in enumerate(batch)])
+    got = _drain(engine)
+    engine.shutdown()
+    expected = _hf_greedy(subject.model_dir, batch, new_tokens, subject.device)
+    equal = sum(a == b for i, b in enumerate(expected) for a, b in zip(got[f"g{i}"], b))
+    first_diff = [next((k for k, (a, b) in enumerate(zip(got[f"g{i}"], e)) if a != b), None)
+                  for i, e in enumerate(expected)]
+    return {"tokens": prompts * new_tokens, "equal_tokens": equal, "first_divergence": first_diff,
+            "ok": equal == prompts * new_tokens}
+
+
+def check_engine_throughput(subject: Subject, batches: list[int], new_tokens: int,
+                            prompt_tokens: int = 64) -> dict[str, Any]:
+    """Decode throughput of the reference engine on the device, by batch size (sampling, no EOS)."""
+    vocab = parse_spec(subject.model_dir).vocab_size
+    dtype = torch.bfloat16 if subject.cuda else torch.float32
+    cfg = RolloutConfig(kv_cache_tokens=max(batches) * (prompt_tokens + new_tokens + 16), max_running_requests=max(batches),
+                        max_prefill_tokens=16384)
+    engine = ReferenceEngine(subject.model_dir, cfg, device=subject.device, dtype=dtype)
+    rng = random.Random(8)
+    rows = []
+    for b in [batches[0], *batches]:  # the first batch twice: its first run warms kernels up
+        reqs = [GenerationRequest(f"b{b}r{i}", [rng.randrange(vocab) for _ in range(prompt_tokens)],
+                                  SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i)) for i in range(b)]
+        t0 = time.perf_counter()
+        engine.submit(reqs)
+        out = _drain(engine)
+        seconds = time.perf_counter() - t0
+        rows.append({"batch": b, "new_tokens": sum(len(v) for v in out.values()), "seconds": seconds,
+                     "tokens_per_s": sum(len(v) for v in out.values()) / seconds})
+    engine.shutdown()
+    return {"dtype": str(dtype), "prompt_tokens": prompt_tokens, "rows": rows[1:],
+            "ok": all(r["new_tokens"] == r["batch"] * new_tokens for r in rows)}
+
+
+def check_weight_sync(subject: Subject) -> dict[str, Any]:
+    """Trainer -> engine weight sync on the device: seconds, bytes, and exact weights afterwards."""
+    trainer = Trainer(trainer_config(subject), subject.model_dir, subject.layout)
+    dtype = torch.bfloat16 if subject.dtype == "bf16" else torch.float32
+    engine = ReferenceEngine(subject.model_dir, RolloutConfig(kv_cache_tokens=1024), device=subject.device, dtype=dtype)
+    with torch.no_grad():  # make the sync carry something the engine does not already hold
+        for p in trainer.model.parameters():
+            p.add_(0.01)
+    nbytes = 0
+
+    def counted():
+        nonlocal nbytes
+        for name, tensor in trainer.iter_hf_tensors():
+            nbytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    engine.update_weights(counted())  # warm-up: allocator and the gather path
+    if subject.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    nbytes = 0
+    engine.update_weights(counted())
+    if subject.cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    diff = engine.max_weight_diff(trainer.iter_hf_tensors())
+    engine.shutdown()
+    return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, "max_abs_diff_after": diff,
+            "ok": diff == 0.0}
+
+
+def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int) -> dict[str, Any]:
+    """The real program (torchrun, one rank, the shipped policy and example): the synchronous baseline
+    and tail batching run back to back on the same machine; seconds per step and their ratio."""
+    modes = {}
+    for mode in ("baseline", "tail_batching"):
+        run_dir = out_dir / "program"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml", f"scheduler.mode={mode}",
+               f"run.steps={steps}", f"run.output_dir={run_dir}", f"run.name={mode}", "run.wandb=disabled",
+               f"run.save_every={steps}", "reward.num_workers=2",
+               # one rank: every round at rollout TP 1
+               "scheduler.planner.long_tp=1", "scheduler.planner.max_tp=1"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            errors = [line for line in proc.stderr.splitlines() if "warn" not in line.lower()]
+            raise RuntimeError(f"{mode}: exit {proc.returncode}\n" + "\n".join(errors[-60:]))
+        metrics = [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
+        step_s = [m["time/step_s"] for m in metrics]
+        modes[mode] = {"wall_s": wall, "steps": len(metrics), "step_s": step_s, "sum_step_s": sum(step_s),
+                       "rounds": [m["round"] for m in metrics], "rollout_tp": [m["rollout_tp"] for m in metrics],
+                       "reward_mean": [m["reward_mean"] for m in metrics],
+                       "rollout_s": [m["rollout_s"] for m in metrics],
+                       "train_s": [m.get("time/train_s") for m in metrics]}
+    ratio = modes["baseline"]["sum_step_s"] / modes["tail_batching"]["sum_step_s"]
+    # step 1 carries each process's one-off costs (CUDA context, kernel loading, allocator growth)
+    warm = sum(modes["baseline"]["step_s"][1:]) / max(sum(modes["tail_batching"]["step_s"][1:]), 1e-9)
+    return {"device": str(device), "modes": modes, "speedup_tail_batching_over_baseline": ratio,
+            "speedup_after_step_1": warm,
+            "ok": all(m["steps"] == steps for m in modes.values())}
