@@ -19,7 +19,8 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${nodes[0]}
-port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# 20000-28999: below rollout.sglang_base_port (30000 by default), where the engines bind theirs
+port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 if gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); then :; else gpus=0; fi
 nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
 

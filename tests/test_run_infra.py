@@ -109,3 +109,13 @@ def test_control_plane_collectives_avoid_the_device_group(tmp_path):
     proc = run_torchrun(2, ["tests/dist/control_plane.py", str(REPO_ROOT / "assets/policy"), str(tmp_path)],
                         timeout=300)
     assert proc.stdout.count("CONTROL_PLANE_OK") == 2
+
+
+@pytest.mark.parametrize("tp", [16, 3])
+def test_a_rollout_engine_never_spans_nodes(tp):
+    """2 nodes x 8 ranks: TP 16 would put one engine on both nodes (review L14), TP 3 straddles them;
+    both are refused before any group is made."""
+    from rollpacker.runtime.world import World
+    world = World(rank=0, size=16, local_size=8, device=torch.device("cpu"), control=None)
+    with pytest.raises(ValueError, match="never spans nodes"):
+        world.build_rollout_layouts([tp])

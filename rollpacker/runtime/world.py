@@ -76,7 +76,7 @@ class World:
     def build_rollout_layouts(self, tp_sizes: set[int] | list[int]) -> None:
         """Collective: create the engine groups of every TP size the planner may choose."""
         for tp in sorted(set(tp_sizes)):
-            if self.size % tp or (self.local_size % tp and self.local_size >= tp):
+            if self.size % tp or self.local_size % tp:
                 raise ValueError(f"rollout TP {tp} must divide the world size {self.size} and the ranks "
                                  f"per node {self.local_size} (a TP group never spans nodes)")
             blocks = [tuple(range(start, start + tp)) for start in range(0, self.size, tp)]
