@@ -19,7 +19,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.sglang_backend import (PORT_STRIDE, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
                                                SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
-                                               sampling_params, server_args, weight_buckets)
+                                               WeightSyncError, sampling_params, server_args, weight_buckets)
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -49,6 +49,8 @@ class RecordingEngine:
         self.calls: list[tuple[str, dict]] = []
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager = RecordingTokenizerManager(self)
+        self.in_session = False
+        self.refuse: set[str] = set()
 
     async def async_generate(self, *, input_ids, sampling_params, return_logprob, rid):
         self.calls.append(("async_generate", dict(input_ids=input_ids, sampling_params=sampling_params,
@@ -77,9 +79,30 @@ class RecordingEngine:
     def resume_memory_occupation(self, tags=None):
         return self._sync("resume_memory_occupation", tags=tags)
 
+    # Weight updates answer (success, message) like sglang 0.5.23, which refuses a push outside a
+    # begin/end session; ``refuse`` names tensors whose push is refused anyway (a failing load).
+    def begin_weight_update(self):
+        self._sync("begin_weight_update")
+        if self.in_session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.in_session = True
+        return True, "Success"
+
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        return self._sync("update_weights_from_tensor", names=[n for n, _ in named_tensors],
-                          load_format=load_format, flush_cache=flush_cache)
+        names = [n for n, _ in named_tensors]
+        self._sync("update_weights_from_tensor", names=names, load_format=load_format, flush_cache=flush_cache)
+        if not self.in_session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        if self.refuse & set(names):
+            return False, f"Failed to update weights: cannot load {sorted(self.refuse & set(names))}"
+        return True, "Success"
+
+    def end_weight_update(self):
+        self._sync("end_weight_update")
+        if not self.in_session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.in_session = False
+        return True, "Success"
 
     def shutdown(self):
         self._sync("shutdown")
@@ -162,6 +185,24 @@ def test_weights_are_pushed_in_bounded_buckets_and_the_last_flushes():
     pushes = [c[1] for c in engine._engine.calls if c[0] == "update_weights_from_tensor"]
     assert [p["names"] for p in pushes] == [["w0", "w1", "w2"], ["w3", "w4", "w5"], ["w6"], ["big"], ["tail"]]
     assert [p["flush_cache"] for p in pushes] == [False] * 4 + [True]
+    session = [c[0] for c in engine._engine.calls if "weight" in c[0]]
+    assert session == ["begin_weight_update", *["update_weights_from_tensor"] * 5, "end_weight_update"]
+
+
+def test_a_refused_weight_push_raises_naming_engine_and_tensors_and_closes_the_session():
+    engine = _engine(weight_bucket_mb=1)
+    mb = torch.zeros(1 << 18)
+    engine._engine.refuse = {"layers.1.w"}
+    with pytest.raises(WeightSyncError, match=r"engine 3: .*update_weights_from_tensor.*'layers\.1\.w'.*cannot load"):
+        engine.update_weights([("layers.0.w", mb), ("layers.1.w", mb), ("layers.2.w", mb)])
+    calls = [c[0] for c in engine._engine.calls if "weight" in c[0]]
+    assert calls == ["begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
+                     "end_weight_update"]  # stopped at the refusal, and the session was closed
+    engine._engine.refuse = set()
+    engine.update_weights([("layers.0.w", mb)])  # a later sync opens a fresh session
+    engine._engine.in_session = True  # an engine whose session is stuck open refuses begin
+    with pytest.raises(WeightSyncError, match="engine 3: .*begin_weight_update.*already open"):
+        engine.update_weights([("layers.0.w", mb)])
 
 
 def test_memory_release_and_resume_by_tag_need_an_idle_engine():

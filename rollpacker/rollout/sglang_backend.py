@@ -12,6 +12,10 @@ a thread-safe queue that ``poll`` drains. Control calls (memory release/resume,
 weight update) are SGLang's synchronous methods, which drive that same loop
 with ``run_until_complete``, so the background thread is paused around them.
 
+Weights are pushed inside one ``begin_weight_update()`` / ``end_weight_update()`` session: 0.5.23
+refuses ``update_weights_from_tensor`` outside it and says so only in its ``(success, message)``
+return, so every such return is checked and a refusal raises ``WeightSyncError``.
+
 Semantics matched to the reference engine:
 - log-probs are of the temperature-1 model distribution
   (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, inherited by SGLang's subprocesses);
@@ -56,7 +60,9 @@ SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
     "Engine.release_memory_occupation": ("tags",),
     "Engine.resume_memory_occupation": ("tags",),
+    "Engine.begin_weight_update": (),
     "Engine.update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
+    "Engine.end_weight_update": (),
     "Engine.shutdown": (),
     "TokenizerManager.abort_request": ("rid", "abort_all"),
 }
@@ -65,6 +71,10 @@ SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop
                         "ignore_eos")
 SGLANG_OUTPUT_KEYS = ("meta_info", "finish_reason", "output_token_logprobs", "num_retractions")
 SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+
+
+class WeightSyncError(RuntimeError):
+    """SGLang refused part of a weight push: the engine must not serve rollouts from what it holds."""
 
 
 def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, global_rank: int, gpu_id: int,
@@ -309,7 +319,8 @@ class SGLangEngine(RolloutEngine):
         return list(self._active)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push full HF tensors in buckets of at most ``weight_bucket_mb``; the last one flushes the cache.
+        """Push full HF tensors in buckets of at most ``weight_bucket_mb``, inside one weight-update
+        session; the last bucket flushes the cache. Raises ``WeightSyncError`` if SGLang refuses any step.
 
         Other ranks of the group own no engine: their call only walks the tensors."""
         if not self.is_leader:
@@ -317,16 +328,14 @@ class SGLangEngine(RolloutEngine):
                 pass
             return
         limit = self.cfg.weight_bucket_mb << 20
-        with self._paused():
+        with self._paused(), self._weight_update_session():
             pending = None
             for bucket in weight_buckets(named_tensors, limit):
                 if pending is not None:
-                    self._call("Engine.update_weights_from_tensor", named_tensors=pending, load_format=None,
-                               flush_cache=False)
+                    self._push(pending, flush_cache=False)
                 pending = bucket
             if pending is not None:
-                self._call("Engine.update_weights_from_tensor", named_tensors=pending, load_format=None,
-                           flush_cache=True)
+                self._push(pending, flush_cache=True)
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._memory("Engine.release_memory_occupation", tags)
@@ -412,6 +421,33 @@ class SGLangEngine(RolloutEngine):
                                f"({len(self._active)} requests in flight)")
         with self._paused():
             self._call(qualname, tags=list(tags))
+
+    def _push(self, bucket: list[tuple[str, torch.Tensor]], *, flush_cache: bool) -> None:
+        self._checked("Engine.update_weights_from_tensor",
+                      f"tensors {[name for name, _ in bucket]}",
+                      named_tensors=bucket, load_format=None, flush_cache=flush_cache)
+
+    def _checked(self, qualname: str, subject: str, **kwargs: Any) -> None:
+        """Call a control method that answers ``(success, message)`` and raise unless it succeeded."""
+        result = self._call(qualname, **kwargs)
+        ok, message = result if isinstance(result, tuple) and len(result) == 2 else (False, repr(result))
+        if not ok:
+            raise WeightSyncError(f"engine {self.engine_id}: sglang refused {qualname.split('.')[1]} "
+                                  f"({subject}): {message}")
+
+    @contextlib.contextmanager
+    def _weight_update_session(self) -> Iterator[None]:
+        self._checked("Engine.begin_weight_update", "opening the weight-update session")
+        try:
+            yield
+        except BaseException:
+            # Close the session: one left open makes the next begin_weight_update fail ("a
+            # weight-update session is already open"), so every later sync would be refused too.
+            # The push's error is the one to report; a failure to close is not raised over it.
+            with contextlib.suppress(Exception):
+                self._call("Engine.end_weight_update")
+            raise
+        self._checked("Engine.end_weight_update", "closing the weight-update session")
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:

@@ -1,0 +1,203 @@
+"""Checks against the real ``sglang.Engine`` (0.5.23) on CPU; run with the venv's python (``env.py``).
+
+    python engine_checks.py {engine,backend} MODEL_DIR
+
+``engine`` drives ``sglang.Engine`` directly; ``backend`` drives it through our ``SGLangEngine``. Both
+compare greedy output with transformers token for token, before and after a weight update that
+perturbs the policy. The last stdout line is ``VERDICT {json}``: each check is either true or a
+string that says what went wrong, so the pytest side can show it.
+
+An engine spawns its scheduler processes, so everything runs under ``if __name__ == "__main__"``,
+and each mode starts one engine in its own process (sglang keeps one live config per process).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+PROMPTS = ("The capital of France is", "1 + 1 =", "Once upon a time, in a small village,")
+NEW_TOKENS = 12
+# The tiny fp32 policy served on CPU: torch-native attention and sampling (no CUDA kernels), no CUDA
+# graphs, a small fixed KV pool, and no warm-up request.
+CPU_ENGINE_ARGS = dict(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+                       mem_fraction_static=0.05, disable_cuda_graph=True, max_total_tokens=32768,
+                       dtype="float32", skip_server_warmup=True)
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (the backend pins nccl_port = port + 1), so that concurrent
+    test runs on one machine do not collide on the configured default."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if not 1024 <= port <= 64511:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of consecutive ports")
+
+
+def prompt_ids(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy reference: argmax of the full-sequence forward, no EOS stop (as ``ignore_eos``)."""
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(NEW_TOKENS):
+                logits = model(torch.tensor([seq])).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            outs.append(seq[len(ids):])
+    return outs
+
+
+def perturbed(model) -> list[tuple[str, torch.Tensor]]:
+    """New weights far enough from the policy to change its greedy output (seeded)."""
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    for name, p in model.state_dict().items():
+        if name.endswith(("mlp.down_proj.weight", "lm_head.weight")):
+            out.append((name, (p + torch.randn(p.shape, generator=gen) * p.std()).contiguous()))
+    return out
+
+
+def compare(label: str, got: list[list[int]], want: list[list[int]]) -> bool | str:
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if not bad:
+        return True
+    i = bad[0]
+    return f"{label}: prompt {i} got {got[i]}, transformers {want[i]} ({len(bad)}/{len(want)} differ)"
+
+
+def engine_greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = engine.generate(input_ids=prompts, return_logprob=True,
+                           sampling_params=dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    return [[int(t) for _, t, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+
+
+def check_engine(model_dir: Path, new_weights, prompts, want_before, want_after) -> dict:
+    import sglang
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    # The sgl_kernel stub must keep sglang on its plain-torch layers (what transformers computes).
+    verdict: dict = {"plain_torch_layers": True if not cpu_has_amx_support()
+                     else "cpu_has_amx_support() is True: sglang would call sgl_kernel CPU ops"}
+    engine = sglang.Engine(model_path=str(model_dir), **CPU_ENGINE_ARGS)
+    try:
+        verdict["greedy_matches_transformers"] = compare("before update", engine_greedy(engine, prompts),
+                                                         want_before)
+        # Review item C1: outside a session sglang 0.5.23 refuses the update and says so.
+        ok, msg = engine.update_weights_from_tensor(named_tensors=new_weights, flush_cache=True)
+        verdict["update_outside_session_refused"] = (
+            True if ok is False and "begin_weight_update" in msg else f"returned {(ok, msg)!r}")
+        results = [engine.begin_weight_update(),
+                   engine.update_weights_from_tensor(named_tensors=new_weights, flush_cache=True),
+                   engine.end_weight_update()]
+        verdict["update_in_session_succeeds"] = (
+            True if all(r[0] for r in results) else f"begin/update/end returned {results!r}")
+        verdict["greedy_after_update_matches_transformers"] = compare(
+            "after update", engine_greedy(engine, prompts), want_after)
+    finally:
+        engine.shutdown()
+    return verdict
+
+
+def check_backend(model_dir: Path, new_weights, prompts, want_before, want_after) -> dict:
+    import sglang
+
+    from rollpacker.rollout.config import RolloutConfig
+    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+    from rollpacker.rollout.sglang_backend import SGLangEngine
+
+    def cpu_engine(**kwargs):
+        # The backend's GPU arguments, adapted to CPU: no CUDA memory saver (torch_memory_saver is
+        # CUDA-only) and no GPU index; everything else is what production passes.
+        kwargs.pop("base_gpu_id")
+        kwargs["enable_memory_saver"] = False
+        return sglang.Engine(**{**kwargs, **CPU_ENGINE_ARGS})
+
+    def greedy(eng: SGLangEngine, tag: str) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+        eng.submit([GenerationRequest(f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)])
+        done, deadline = {}, time.monotonic() + 120
+        while len(done) < len(prompts) and time.monotonic() < deadline:
+            done.update((c.request_id, c.output_ids) for c in eng.poll(timeout=1.0))
+        return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
+
+    verdict: dict = {}
+    cfg = RolloutConfig(backend="sglang", sglang_base_port=free_port_pair())
+    eng = SGLangEngine(model_dir, cfg, engine_cls=cpu_engine)
+    try:
+        verdict["backend_greedy_matches_transformers"] = compare("before update", greedy(eng, "a"),
+                                                                 want_before)
+        try:
+            eng.update_weights(iter(new_weights))
+            verdict["backend_update_weights_returns"] = True
+        except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+            verdict["backend_update_weights_returns"] = f"raised {exc!r}"
+        verdict["backend_greedy_after_update_matches_transformers"] = compare(
+            "after update", greedy(eng, "b"), want_after)
+        verdict["backend_raises_when_sglang_refuses"] = refusal_surfaces(eng, new_weights)
+    finally:
+        eng.shutdown()
+    return verdict
+
+
+def refusal_surfaces(eng, new_weights) -> bool | str:
+    """A real refusal reaches the caller: with a session already open (here, opened behind the
+    backend's back), sglang answers begin_weight_update with (False, "...already open")."""
+    with eng._paused():  # sglang's synchronous calls drive the loop the backend's thread runs
+        eng._engine.begin_weight_update()
+    try:
+        eng.update_weights(iter(new_weights))
+        return "update_weights returned although sglang refused to open the session"
+    except Exception as exc:  # noqa: BLE001 - judged below
+        text = str(exc)
+        return True if "engine 0" in text and "already open" in text else f"raised {exc!r}"
+    finally:
+        with eng._paused():
+            eng._engine.end_weight_update()
+
+
+def main(mode: str, model_dir: Path) -> dict:
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = prompt_ids(model_dir)
+    want_before = hf_greedy(hf, prompts)
+    new_weights = perturbed(hf)
+    hf.load_state_dict(dict(new_weights), strict=False)
+    want_after = hf_greedy(hf, prompts)
+    verdict = {"perturbation_changes_output": True if want_after != want_before
+               else "the perturbed weights give the same greedy output: the update check would prove nothing"}
+    check = {"engine": check_engine, "backend": check_backend}[mode]
+    verdict.update(check(model_dir, new_weights, prompts, want_before, want_after))
+    return verdict
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    try:
+        result = main(sys.argv[1], Path(sys.argv[2]))
+    except Exception:  # noqa: BLE001 - the pytest side reports it
+        result = {"crashed": traceback.format_exc()}
+    result["seconds"] = round(time.monotonic() - started, 1)
+    print("VERDICT " + json.dumps(result), flush=True)
