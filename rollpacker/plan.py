@@ -47,11 +47,12 @@ BF16, FP32 = 2, 4
 # as mem_get_info's used minus memory_reserved after one bf16 matmul. Every GPU hosts the
 # trainer process and, with SGLang, one scheduler process per engine set built.
 CUDA_CONTEXT_BYTES = 720 * 10**6
-# fp32 [tokens, vocab/tp] tensors alive at once at the loss (megatron_ext/logprobs.py), on top of
-# the bf16 logits: token_logprobs leaves two saved for backward (exp(shifted) for ExpBackward,
-# `shifted` for GatherBackward); token_entropy (no grad) then holds logits.float(), shifted,
-# exp before and after its padding mask. The backward needs fewer (2 saved + 2 transient).
-LOGIT_FP32_COPIES = 6
+# megatron_ext/logprobs.py works on chunks of LOGPROB_CHUNK_TOKENS tokens (the same constant there;
+# tests/test_plan.py checks they agree). Its peak beside the bf16 logits: LOGIT_FP32_COPIES fp32
+# [chunk, V/tp] tensors in the forward (log-probs, then the entropy); in the backward, the logits'
+# gradient [tokens, V/tp] (their dtype) plus as many chunks (tests/test_plan.py measures both).
+LOGPROB_CHUNK_TOKENS = 2048
+LOGIT_FP32_COPIES = 2
 VOCAB_MULTIPLE = 128  # megatron_ext.qwen2.padded_vocab_size: rows padded to 128 * tp
 SHAPES_DIR = Path(__file__).with_name("plan_shapes")
 # Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800): the CLI's default world.
@@ -187,8 +188,11 @@ def activation_bytes(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, tokens: i
 
 
 def logits_bytes(spec: Qwen2Spec, tp: int, tokens: int) -> int:
-    """bf16 logits ``[tokens, V/tp]`` plus the fp32 copies alive at the loss (``LOGIT_FP32_COPIES``)."""
-    return tokens * padded_vocab(spec, tp) // tp * (BF16 + LOGIT_FP32_COPIES * FP32)
+    """bf16 logits ``[tokens, V/tp]`` and the larger of the log-prob code's forward and backward peaks."""
+    cols, chunk = padded_vocab(spec, tp) // tp, min(tokens, LOGPROB_CHUNK_TOKENS)
+    forward = LOGIT_FP32_COPIES * chunk * FP32
+    backward = tokens * BF16 + LOGIT_FP32_COPIES * chunk * FP32
+    return cols * (tokens * BF16 + max(forward, backward))
 
 
 @dataclass(frozen=True)
@@ -373,7 +377,7 @@ def plan_memory(cfg: Config, spec: Qwen2Spec, *, world_size: int, device_bytes: 
         Item(acts_name.format(tokens, "on" if t.recompute else "off"), train.activations, (ABSENT, ABSENT, GPU)),
         Item(acts_name.format(tokens, "off" if t.recompute else "on"), worst_stage(not t.recompute).activations,
              (ABSENT, ABSENT, GPU), counted=False),
-        Item(f"log-prob buffers (bf16 + {LOGIT_FP32_COPIES} fp32 [T, V/{t.tp}])", train.logits,
+        Item(f"log-prob buffers (bf16 logits + grad, fp32 chunks; V/{t.tp})", train.logits,
              (ABSENT, ABSENT, GPU)),
         Item(f"engine weights (TP {shown.tp})", shown.weights, (GPU, GPU, ABSENT)),
         Item(f"engine KV pool (TP {shown.tp})", shown.kv_pool, (GPU, ABSENT, ABSENT)),

@@ -52,7 +52,12 @@ def test_tied_model_has_no_separate_output_weight(ckpts, layout):
     assert tied.embedding.word_embeddings.weight.shape == (256, 64)  # 250 padded to a multiple of 128
 
 
-def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout):
+@pytest.mark.parametrize("chunk", [2048, 4])
+def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout, chunk, monkeypatch):
+    """Values and gradients against log_softmax over the real vocabulary, in one chunk and across
+    chunk boundaries (21 tokens in chunks of 4)."""
+    from megatron_ext import logprobs
+    monkeypatch.setattr(logprobs, "CHUNK_TOKENS", chunk)
     errors = logprob_grad_errors(layout)
     assert errors["logprob_value"] < 1e-5 and errors["entropy_value"] < 1e-5 and errors["grad"] < 1e-6
 

@@ -78,9 +78,10 @@ def test_tiny_model_by_hand():
     assert plan.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=False) == 2 * 270400 + final_norm
     assert plan.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=True) == (
         2 * 2 * 64 * 100 + 270400 + final_norm)  # two layer inputs + one layer rebuilt
-    assert plan.logits_bytes(TINY, 1, 100) == 100 * 256 * (2 + 6 * 4)
+    # logits, then in backward their gradient and two fp32 chunks (100 tokens < one chunk)
+    assert plan.logits_bytes(TINY, 1, 100) == 100 * 256 * (2 + 2 + 2 * 4)
     assert plan.trainer_peak_bytes(TINY, 1, 100) == state.params + state.grads + 12 * params + (
-        2 * 270400 + final_norm + 100 * 256 * 26)
+        2 * 270400 + final_norm + 100 * 256 * 12)
     # engines: bf16, vocab split without padding; K and V of 2 layers x 2 heads x 16 per token
     assert plan.engine_weight_bytes(TINY, 1) == 2 * plan.hf_param_count(TINY)
     assert plan.kv_bytes_per_token(TINY, 1) == 2 * 2 * 2 * 16 * 2 and plan.kv_bytes_per_token(TINY, 2) == 128
@@ -117,22 +118,23 @@ def test_shipped_configs_fit_eight_80gb_gpus_per_node(name, no_cuda):
 
 
 def test_train_phase_that_cannot_fit_is_refused_with_the_fixes(no_cuda):
-    p = _plan("qwen2.5-7b", "trainer.recompute=false")
+    no_recompute = "trainer.recompute=false"
+    p = _plan("qwen2.5-7b", no_recompute)
     assert not p.fits and p.left("train") < 0
     (msg,) = p.problems
-    assert msg.startswith("train phase needs 126.33 GB > 80.00 GB: activations 62.50 GB + log-prob buffers "
-                          "32.39 GB + trainer state 28.56 GB; fix: trainer.recompute=true (activations 5.75 GB)")
-    assert "the longest sequence (9216 tokens) always gets a micro-batch of its own" in msg
+    assert msg.startswith("train phase needs 100.17 GB > 80.00 GB: activations 62.50 GB + log-prob buffers "
+                          "6.23 GB + trainer state 28.56 GB; fix: trainer.recompute=true (activations 5.75 GB)")
     assert _plan("qwen2.5-7b").fits  # the fix, as shipped
-    # with shorter responses a smaller budget is a fix too, and the largest that fits is named
-    short = ("trainer.recompute=false", "rollout.max_response_length=4096")
-    (msg,) = _plan("qwen2.5-7b", *short).problems
-    assert "trainer.micro_batch_tokens <= 8384" in msg
-    assert _plan("qwen2.5-7b", *short, "trainer.micro_batch_tokens=8384").fits
-    assert not _plan("qwen2.5-7b", *short, "trainer.micro_batch_tokens=8385").fits
+    # the largest budget that fits is named, and it is exact
+    assert "trainer.micro_batch_tokens <= 11486" in msg
+    assert _plan("qwen2.5-7b", no_recompute, "trainer.micro_batch_tokens=11486").fits
+    assert not _plan("qwen2.5-7b", no_recompute, "trainer.micro_batch_tokens=11487").fits
+    # with longer responses no budget helps: the longest sequence always gets a micro-batch of its own
+    (msg,) = _plan("qwen2.5-7b", no_recompute, "rollout.max_response_length=16384").problems
+    assert "trainer.micro_batch_tokens <=" not in msg and "fix: trainer.recompute=true" in msg
     with pytest.raises(ConfigError, match=r"qwen2.5-7b.yaml: the memory plan does not fit 80.00 GB per GPU: "
                                           r"train phase .*trainer.recompute=true"):
-        plan.check_memory(_shipped("qwen2.5-7b", "trainer.recompute=false"), 16)
+        plan.check_memory(_shipped("qwen2.5-7b", no_recompute), 16)
 
 
 def test_longest_sequence_sets_the_micro_batch():
@@ -183,26 +185,35 @@ def test_cpu_config_is_not_planned(no_cuda):
     plan.check_memory(_shipped("tiny-cpu", "model.path=/nonexistent"), 2)  # reference backend, no CUDA
 
 
-def test_logit_copies_match_logprobs_py(layout):
-    """LOGIT_FP32_COPIES is read off megatron_ext/logprobs.py; measure it as the loss uses it."""
+@pytest.mark.parametrize("tokens", [512, 1024])
+def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
+    """The plan's log-prob term against torch's profiler: loss forward (log-probs, entropy without grad)
+    and backward, one chunk (512 tokens) and four (1024 tokens in chunks of 256)."""
+    from types import SimpleNamespace
+
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_ext.logprobs import token_entropy, token_logprobs
-    tokens, vocab = 512, 1024
+    from megatron_ext import logprobs
+    assert logprobs.CHUNK_TOKENS == plan.LOGPROB_CHUNK_TOKENS
+    monkeypatch.setattr(logprobs, "CHUNK_TOKENS", 256)
+    monkeypatch.setattr(plan, "LOGPROB_CHUNK_TOKENS", 256)
+    vocab = 1024
     logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab - 24, (tokens,))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        logprobs = token_logprobs(logits, labels, layout.tp_group, vocab_size=vocab - 24)  # as micro_batch_loss
+        logp = logprobs.token_logprobs(logits, labels, layout.tp_group, vocab_size=vocab - 24)
         with torch.no_grad():
-            token_entropy(logits, layout.tp_group, vocab_size=vocab - 24)
+            logprobs.token_entropy(logits, layout.tp_group, vocab_size=vocab - 24)
+        logp.sum().backward()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    assert logprobs.requires_grad
-    assert peak / (tokens * vocab * 4) == pytest.approx(plan.LOGIT_FP32_COPIES, abs=0.05)
+    spec = SimpleNamespace(vocab_size=vocab)  # padded_vocab reads only this
+    planned = plan.logits_bytes(spec, 1, tokens) - tokens * vocab * plan.BF16  # the logits existed before
+    assert peak == pytest.approx(planned, rel=0.02)
 
 
 def test_recompute_reaches_megatron_and_keeps_the_gradients(layout, tmp_path):
