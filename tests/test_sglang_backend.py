@@ -9,17 +9,20 @@ import subprocess
 import sys
 import zipfile
 from functools import cached_property
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
 
 from rollpacker.rollout import make_engine
-from rollpacker.rollout.config import RolloutConfig
+from rollpacker.configlib import ConfigError
+from rollpacker.rollout.config import RENDEZVOUS_PORTS, SGLANG_PORT_SPAN, RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
-from rollpacker.rollout.sglang_backend import (PORT_STRIDE, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
+from rollpacker.rollout.sglang_backend import (AGENT_STORE_ENV, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
                                                SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
-                                               WeightSyncError, sampling_params, server_args, weight_buckets)
+                                               WeightSyncError, engine_ports, sampling_params, server_args,
+                                               weight_buckets)
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -33,8 +36,13 @@ class RecordingTokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.engine.calls.append(("abort_request", dict(rid=rid, abort_all=abort_all)))
         for key, event in self.waiting.items():
-            if abort_all or key == rid:
+            if (abort_all or key == rid) and key not in self.engine.ignore_aborts:
                 event.set()
+
+    async def get_loads(self):
+        """One snapshot like sglang's scheduler publishes: here, exact and never stale."""
+        running = sum(not e.is_set() for e in self.waiting.values())
+        return [SimpleNamespace(num_running_reqs=running, num_waiting_reqs=0, num_used_tokens=7 * running)]
 
 
 class RecordingEngine:
@@ -51,6 +59,12 @@ class RecordingEngine:
         self.tokenizer_manager = RecordingTokenizerManager(self)
         self.in_session = False
         self.refuse: set[str] = set()
+        self.held: set[str] = set()  # requests sglang would still hold (aborted ones until they end)
+        self.ignore_aborts: set[str] = set()  # requests an abort never ends
+        self.env_at_start = dict(os.environ)  # what the engine's spawned processes would inherit
+
+    def get_server_info(self):
+        return {"max_total_num_tokens": 4096}
 
     async def async_generate(self, *, input_ids, sampling_params, return_logprob, rid):
         self.calls.append(("async_generate", dict(input_ids=input_ids, sampling_params=sampling_params,
@@ -58,7 +72,10 @@ class RecordingEngine:
         n = sampling_params["max_new_tokens"]
         if n >= HOLD:
             event = self.tokenizer_manager.waiting.setdefault(rid, asyncio.Event())
+            self.held.add(rid)
             await event.wait()
+            await asyncio.sleep(0.05)  # like sglang, an aborted request ends only after a later step
+            self.held.discard(rid)
             return {"meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": []}}
         await asyncio.sleep(0.001 * n)
         tokens = [(sum(input_ids) + i) % 97 for i in range(n)]
@@ -74,6 +91,8 @@ class RecordingEngine:
         return self.loop.run_until_complete(asyncio.sleep(0))
 
     def release_memory_occupation(self, tags=None):
+        # sglang's scheduler asserts is_fully_idle() here and SIGQUITs the rank (review L1)
+        assert not self.held, f"release_memory_occupation while sglang holds {sorted(self.held)}"
         return self._sync("release_memory_occupation", tags=tags)
 
     def resume_memory_occupation(self, tags=None):
@@ -124,8 +143,8 @@ def _drain(engine, timeout=5.0) -> dict:
 
 def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
     cfg = RolloutConfig(backend="sglang", sglang_base_port=31000, mem_fraction_static=0.6, seed=4)
-    args = server_args("/m", cfg, tp_size=2, global_rank=5, gpu_id=1, engine_id=2)
-    assert args["port"] == 31000 + 5 * PORT_STRIDE and args["nccl_port"] == args["port"] + 1
+    args = server_args("/m", cfg, tp_size=2, local_rank=5, gpu_id=1, engine_id=2)
+    assert (args["port"], args["nccl_port"]) == engine_ports(31000, 5, 2)
     assert (args["tp_size"], args["base_gpu_id"], args["random_seed"]) == (2, 1, 6)
     assert args["enable_memory_saver"] is True and args["mem_fraction_static"] == 0.6
     engine = _engine()
@@ -135,6 +154,33 @@ def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
     by_local_rank = make_engine(RolloutConfig(backend="sglang"), "/m", device="cuda",
                                 sglang_engine_cls=RecordingEngine)
     assert by_local_rank._engine.kwargs["base_gpu_id"] == 3
+    assert by_local_rank._engine.kwargs["port"] == engine_ports(30000, 3, 1)[0]
+
+
+def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():
+    """Review C3: every (local rank, TP) engine of an 8-GPU node gets its own ports, whatever TP
+    sets a rank leads, none in launch/train.sh's rendezvous range and all below 65536."""
+    for base in (30000, 29000, 65536 - SGLANG_PORT_SPAN):
+        RolloutConfig(backend="sglang", sglang_base_port=base).validate()
+        ports = [p for rank in range(8) for tp in (1, 2, 4, 8) for p in engine_ports(base, rank, tp)]
+        assert len(set(ports)) == len(ports)
+        assert all(p not in RENDEZVOUS_PORTS and 1024 <= p < 65536 for p in ports)
+        assert max(ports) < base + SGLANG_PORT_SPAN
+    for bad in (28000, 20000 - SGLANG_PORT_SPAN + 1, 65536 - SGLANG_PORT_SPAN + 1, 1023):
+        with pytest.raises(ConfigError, match="sglang"):
+            RolloutConfig(backend="sglang", sglang_base_port=bad).validate()
+    with pytest.raises(ValueError, match="power of two"):
+        engine_ports(30000, 0, 3)
+    with pytest.raises(ValueError, match="local rank 16"):
+        engine_ports(30000, 16, 1)
+
+
+def test_engine_processes_do_not_inherit_torchruns_agent_store_flag(monkeypatch):
+    """Review C2: hidden while sglang spawns its processes, restored for the trainer afterwards."""
+    monkeypatch.setenv(AGENT_STORE_ENV, "True")
+    engine = _engine()
+    assert AGENT_STORE_ENV not in engine._engine.env_at_start
+    assert os.environ[AGENT_STORE_ENV] == "True"
 
 
 def test_requests_translate_both_ways_and_complete():
@@ -156,6 +202,7 @@ def test_requests_translate_both_ways_and_complete():
     assert sent["b"]["sampling_params"]["sampling_seed"] == 11 and not sent["b"]["sampling_params"]["ignore_eos"]
     stats = engine.stats()
     assert stats.preemptions == 2 and stats.tokens_generated == 14 and stats.running == 0
+    assert stats.kv_tokens_capacity == 4096  # the engine's max_total_num_tokens (review L6)
     for p in (reqs[0].params, reqs[1].params):
         assert set(sampling_params(p)) <= set(SGLANG_SAMPLING_KEYS)
 
@@ -220,6 +267,20 @@ def test_memory_release_and_resume_by_tag_need_an_idle_engine():
                       ("resume_memory_occupation", {"tags": ["weights"]})]
     engine.shutdown()
     assert engine._engine.calls[-1][0] == "shutdown"
+
+
+def test_memory_is_released_only_once_aborted_requests_have_come_back():
+    engine = _engine(drain_timeout_s=2.0)
+    engine.submit([GenerationRequest(f"held{i}", [1], SamplingParams(max_new_tokens=HOLD)) for i in range(3)])
+    engine.abort_all()
+    engine.release_memory(["kv_cache"])  # the double asserts like sglang if any is still held
+    engine.resume_memory(["kv_cache"])
+    assert engine.poll(0.1) == [] and engine.stats().running == 0
+    engine._engine.ignore_aborts = {"stuck"}
+    engine.submit([GenerationRequest("stuck", [1], SamplingParams(max_new_tokens=HOLD))])
+    engine.abort(["stuck"])
+    with pytest.raises(TimeoutError, match=r"engine 3: sglang has not returned requests \['stuck'\]"):
+        engine.wait_idle(timeout_s=0.2)
 
 
 def test_bad_requests_are_refused_by_name():
@@ -297,6 +358,7 @@ class WheelSource:
 
 
 CLASSES = {"Engine": "sglang/srt/entrypoints/engine.py", "TokenizerManager": "sglang/srt/managers/tokenizer_manager.py"}
+MIXINS = {"TokenizerManager": {"TokenizerControlMixin": "sglang/srt/managers/tokenizer_control_mixin.py"}}
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +369,11 @@ def wheel() -> WheelSource:
 @pytest.mark.parametrize("qualname", sorted(SGLANG_API))
 def test_every_call_exists_in_the_pinned_release(wheel, qualname):
     owner, method = qualname.split(".")
-    fn = wheel.methods(wheel.cls(CLASSES[owner], owner)).get(method)
+    cls = wheel.cls(CLASSES[owner], owner)
+    fn = wheel.methods(cls).get(method)
+    for base, path in MIXINS.get(owner, {}).items():  # methods the class inherits from its mixins
+        assert base in {b.id for b in cls.bases if isinstance(b, ast.Name)}, f"{owner} no longer mixes in {base}"
+        fn = fn or wheel.methods(wheel.cls(path, base)).get(method)
     assert fn is not None, f"sglang=={SGLANG_VERSION} has no {qualname}"
     a = fn.args
     params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}

@@ -23,9 +23,11 @@ def sglang_venv_python() -> Path:
     return sglang_python()
 
 
-def run_checks(python: Path, mode: str) -> dict:
+def run_checks(python: Path, mode: str, torchrun: bool = False) -> dict:
+    # As launch/train.sh starts the trainer: a torchrun worker of a c10d rendezvous (review C2).
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if torchrun else []
     try:
-        proc = subprocess.run([str(python), str(CHECKS), mode, str(POLICY)], env=engine_env(), cwd=REPO,
+        proc = subprocess.run([str(python), *launcher, str(CHECKS), mode, str(POLICY)], env=engine_env(), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"engine_checks.py {mode} ran past {TIMEOUT_S}s:\n{(exc.output or '')[-4000:]}")
@@ -51,11 +53,20 @@ def test_real_engine_greedy_and_weight_update_session(sglang_venv_python):
                             "update_in_session_succeeds", "greedy_after_update_matches_transformers"}
 
 
-def test_backend_pushes_weights_to_real_engine(sglang_venv_python):
-    """``SGLangEngine.update_weights`` on the real engine: generation afterwards equals transformers
-    loaded with the pushed weights (fails on a backend that pushes outside the session, C1)."""
-    verdict = run_checks(sglang_venv_python, "backend")
+def test_backend_on_real_engine_under_torchrun(sglang_venv_python):
+    """Our ``SGLangEngine`` on the real engine, in a torchrun worker of a c10d rendezvous:
+    - the engine starts there (review C2: it hung waiting for a TCPStore nobody served);
+    - ``update_weights``: generation afterwards equals transformers loaded with the pushed weights
+      (C1: refused outside the session), and a refusal raises;
+    - ``stats()`` reports the engine's KV capacity (32768 here) and its load (L6: capacity was 0);
+    - ``abort_all()`` then at once ``release_memory``/``resume_memory``: the release waits until sglang
+      holds none of the aborted requests (L1: sglang's scheduler asserted an idle engine and
+      SIGQUIT the process), and greedy output afterwards still equals transformers."""
+    verdict = run_checks(sglang_venv_python, "backend", torchrun=True)
     assert_all_true(verdict)
-    assert set(verdict) >= {"backend_greedy_matches_transformers", "backend_update_weights_returns",
+    assert set(verdict) >= {"under_torchrun_agent_store", "engine_starts_under_torchrun", "worker_env_restored",
+                            "backend_greedy_matches_transformers", "backend_update_weights_returns",
                             "backend_greedy_after_update_matches_transformers",
-                            "backend_raises_when_sglang_refuses"}
+                            "backend_raises_when_sglang_refuses", "stats_kv_capacity_is_the_engines",
+                            "stats_report_engine_load", "release_after_abort_waits_for_idle",
+                            "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers"}

@@ -6,6 +6,17 @@ from typing import Literal
 
 from rollpacker.configlib import ConfigError
 
+# SGLang engine ports (``sglang_backend.engine_ports``): each engine led by a node-local rank gets a
+# block of SGLANG_PORT_BLOCK ports (sglang binds ``port`` and ``nccl_port = port + 1``), one block per
+# TP size 1, 2, 4, ... 2**(SGLANG_TP_SLOTS - 1) per local rank, so a node's engines use
+# [sglang_base_port, sglang_base_port + SGLANG_PORT_SPAN).
+SGLANG_PORT_BLOCK = 16
+SGLANG_TP_SLOTS = 5
+SGLANG_MAX_LOCAL_RANKS = 16
+SGLANG_PORT_SPAN = SGLANG_PORT_BLOCK * SGLANG_TP_SLOTS * SGLANG_MAX_LOCAL_RANKS
+# launch/train.sh puts the torchrun rendezvous (MASTER_PORT) in [20000, 29000): engines stay out of it.
+RENDEZVOUS_PORTS = range(20000, 29000)
+
 
 @dataclass
 class RolloutConfig:
@@ -22,7 +33,8 @@ class RolloutConfig:
     max_running_requests: int = 256
     mem_fraction_static: float = 0.7  # sglang
     weight_bucket_mb: int = 512  # size bound of one weight-update bucket
-    sglang_base_port: int = 30000  # sglang: engine of global rank r listens on base + r * port stride
+    sglang_base_port: int = 30000  # sglang: a node's engines use [base, base + SGLANG_PORT_SPAN)
+    drain_timeout_s: float = 120.0  # sglang: longest wait for aborted requests to drain before a release
 
     def validate(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
@@ -40,5 +52,12 @@ class RolloutConfig:
                 raise ConfigError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"top_k must be -1 or >= 1, got {self.top_k}")
-        if not 1024 <= self.sglang_base_port <= 65535 - 1024:
-            raise ConfigError(f"sglang_base_port must be in [1024, 64511], got {self.sglang_base_port}")
+        top = self.sglang_base_port + SGLANG_PORT_SPAN
+        if self.sglang_base_port < 1024 or top > 65536:
+            raise ConfigError(f"sglang_base_port must be in [1024, {65536 - SGLANG_PORT_SPAN}] (a node's engines "
+                              f"use {SGLANG_PORT_SPAN} ports from it), got {self.sglang_base_port}")
+        if self.sglang_base_port < RENDEZVOUS_PORTS.stop and top > RENDEZVOUS_PORTS.start:
+            raise ConfigError(f"sglang ports [{self.sglang_base_port}, {top}) overlap the rendezvous ports "
+                              f"[{RENDEZVOUS_PORTS.start}, {RENDEZVOUS_PORTS.stop}) of launch/train.sh")
+        if self.drain_timeout_s <= 0:
+            raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")

@@ -3,8 +3,9 @@
 The first rank of each rollout TP group owns one ``sglang.Engine`` with
 ``tp_size`` = the group size and ``base_gpu_id`` = that rank's local GPU; SGLang
 starts its own TP worker processes on the group's GPUs, so the other ranks of
-the group have nothing to drive. Ports are derived from the global rank so that
-engines on one node never collide.
+the group have nothing to drive. Each engine owns a block of ports chosen by
+(node-local rank, TP size) so that no two engines on a node share one, whichever
+TP sets a rank leads (``engine_ports``).
 
 Requests go through ``Engine.async_generate`` on the engine's own event loop,
 run by a background thread while requests are in flight; each result lands in
@@ -15,6 +16,25 @@ with ``run_until_complete``, so the background thread is paused around them.
 Weights are pushed inside one ``begin_weight_update()`` / ``end_weight_update()`` session: 0.5.23
 refuses ``update_weights_from_tensor`` outside it and says so only in its ``(success, message)``
 return, so every such return is checked and a refusal raises ``WeightSyncError``.
+
+Memory is released or resumed only on an idle engine: sglang's scheduler asserts ``is_fully_idle()``
+in ``release_memory_occupation`` and SIGQUITs the whole rank if it is not, and an aborted request
+stays in its running batch until the next forward. So ``release_memory``/``resume_memory`` first
+wait (bounded by ``drain_timeout_s``) until every request sent to sglang, aborted ones included,
+has come back and the scheduler's load snapshot shows nothing running or waiting.
+
+``stats()`` reports the engine's own numbers: KV capacity is the scheduler's
+``max_total_num_tokens`` (from ``get_server_info``); running, waiting and KV tokens in use come
+from the load snapshot the scheduler publishes (``TokenizerManager.get_loads``), refreshed at
+every prefill, every ``load_snapshot_publish_interval`` (15) decode steps, and when it goes idle.
+
+Seeds: sglang 0.5.23 reads ``sampling_seed`` only when ``enable_deterministic_inference`` is on
+(``sampling/sampling_batch_info.py``, ``SamplingBatchInfo.from_schedule_batch``: the seed tensor
+is built ``if enable_deterministic`` and is None otherwise), and ``server_args`` does not turn it
+on (with it, the flashinfer sampler asserts on any top-p/top-k request, ``layers/sampler.py``).
+So a request's seed is passed through but guarantees nothing here: the same seeded request can
+give a different sample on a rerun, after a migration or on another engine. Only greedy
+(temperature 0) output is reproducible, up to batch-dependent numerics.
 
 Semantics matched to the reference engine:
 - log-probs are of the temperature-1 model distribution
@@ -45,18 +65,21 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.config import SGLANG_MAX_LOCAL_RANKS, SGLANG_PORT_BLOCK, SGLANG_TP_SLOTS, RolloutConfig
 from rollpacker.rollout.engine import (FINISH_ABORT, FINISH_EVICTED, MEMORY_TAGS, Completion, EngineStats, GenerationRequest,
                                        RequestError, RolloutEngine, SamplingParams)
 
 SGLANG_VERSION = "0.5.23"
-PORT_STRIDE = 16  # ports [base + stride * rank, base + stride * (rank + 1)) belong to one rank's engine
+# torchrun's c10d rendezvous sets this in its workers; see ``_engine_process_env``.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+LOAD_TIMEOUT_S = 30.0  # one load-snapshot read (a shared-memory read on the engine's loop)
 
 # The whole SGLang surface this backend touches: "Class.method" -> keywords it passes.
 # ``Engine.__init__`` keywords are ServerArgs fields.
 SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.__init__": ("model_path", "tp_size", "base_gpu_id", "port", "nccl_port", "enable_memory_saver",
                         "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed"),
+    "Engine.get_server_info": (),
     "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
     "Engine.release_memory_occupation": ("tags",),
     "Engine.resume_memory_occupation": ("tags",),
@@ -65,6 +88,7 @@ SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.end_weight_update": (),
     "Engine.shutdown": (),
     "TokenizerManager.abort_request": ("rid", "abort_all"),
+    "TokenizerManager.get_loads": (),
 }
 SGLANG_ENGINE_ATTRIBUTES = ("loop", "tokenizer_manager")  # set by Engine.__init__
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
@@ -77,17 +101,39 @@ class WeightSyncError(RuntimeError):
     """SGLang refused part of a weight push: the engine must not serve rollouts from what it holds."""
 
 
-def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, global_rank: int, gpu_id: int,
+def engine_ports(base_port: int, local_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(port, nccl_port)`` of the TP-``tp_size`` engine led by node-local rank ``local_rank``.
+
+    One rank leads engines of several TP sizes (``EngineSets``), and sglang's TP-rank-0 scheduler
+    binds a TCPStore on ``nccl_port``: a port per rank alone would make the second engine's bind
+    fail, and sglang then SIGQUITs the rank. So each (local rank, TP size) pair gets its own block
+    of ``SGLANG_PORT_BLOCK`` ports; all blocks of a node lie in ``[base, base + SGLANG_PORT_SPAN)``,
+    which ``RolloutConfig.validate`` keeps clear of the rendezvous ports. Nodes do not share ports,
+    so the global rank plays no part.
+    """
+    if tp_size < 1 or tp_size & (tp_size - 1) or tp_size.bit_length() > SGLANG_TP_SLOTS:
+        raise ValueError(f"sglang engine TP size must be a power of two <= {1 << (SGLANG_TP_SLOTS - 1)}, "
+                         f"got {tp_size}")
+    if not 0 <= local_rank < SGLANG_MAX_LOCAL_RANKS:
+        raise ValueError(f"local rank {local_rank} is outside the {SGLANG_MAX_LOCAL_RANKS} ranks per node "
+                         f"that the sglang port layout provides for")
+    slot = local_rank * SGLANG_TP_SLOTS + tp_size.bit_length() - 1
+    port = base_port + SGLANG_PORT_BLOCK * slot
+    return port, port + 1
+
+
+def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, local_rank: int, gpu_id: int,
                 engine_id: int) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` for the engine led by ``global_rank``."""
-    port = cfg.sglang_base_port + PORT_STRIDE * global_rank
-    return dict(model_path=str(model_dir), tp_size=tp_size, base_gpu_id=gpu_id, port=port, nccl_port=port + 1,
+    """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``."""
+    port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size)
+    return dict(model_path=str(model_dir), tp_size=tp_size, base_gpu_id=gpu_id, port=port, nccl_port=nccl_port,
                 enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction_static,
                 max_running_requests=cfg.max_running_requests, skip_tokenizer_init=True,
                 random_seed=cfg.seed + engine_id)
 
 
 def sampling_params(p: SamplingParams) -> dict[str, Any]:
+    """sglang's sampling parameters; the seed is passed on but sglang ignores it here (module docstring)."""
     out = dict(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
                stop_token_ids=list(p.stop_token_ids), ignore_eos=not p.stop_token_ids)
     if p.seed is not None:
@@ -173,6 +219,24 @@ class _LoopThread:
         return self.run(on_loop()).result()
 
 
+@contextlib.contextmanager
+def _engine_process_env() -> Iterator[None]:
+    """Hide ``TORCHELASTIC_USE_AGENT_STORE`` while sglang spawns its processes (review C2).
+
+    torchrun's c10d rendezvous sets it to True in every worker. The schedulers inherit it, and their
+    ``init_process_group("tcp://127.0.0.1:<nccl_port>")`` then only creates ``TCPStore`` clients
+    (``torch/distributed/rendezvous.py``, ``_create_c10d_store``): nobody serves the port, so they
+    wait for the store until its timeout and the engine never starts. sglang 0.5.23 never touches
+    the variable. It is put back afterwards: the trainer's own process groups rely on it.
+    """
+    saved = os.environ.pop(AGENT_STORE_ENV, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[AGENT_STORE_ENV] = saved
+
+
 @dataclass
 class _Failure:
     request_id: str
@@ -204,6 +268,10 @@ class SGLangEngine(RolloutEngine):
         self._evicting: set[str] = set()
         self._resumed: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}  # continuation prefixes
         self._results: queue.Queue[Completion | _Failure] = queue.Queue()
+        # Requests sent to sglang whose result has not come back yet, aborted ones included: sglang
+        # holds them (and so is not idle) until then. Changed on the loop thread, waited on by callers.
+        self._in_sglang: set[str] = set()
+        self._returned = threading.Condition()
         self._busy_since: float | None = None
         if not self.is_leader:
             return
@@ -212,13 +280,18 @@ class SGLangEngine(RolloutEngine):
             engine_cls = sglang.Engine
         os.environ.update(SGLANG_ENV)
         dev = torch.device(device)
-        gpu = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", ranks[0]))
-        kwargs = server_args(model_dir, cfg, tp_size=len(ranks), global_rank=ranks[0], gpu_id=gpu,
+        local_rank = int(os.environ.get("LOCAL_RANK", ranks[0]))
+        gpu = dev.index if dev.index is not None else local_rank
+        kwargs = server_args(model_dir, cfg, tp_size=len(ranks), local_rank=local_rank, gpu_id=gpu,
                              engine_id=engine_id)
         _SGLangCalls.check("Engine.__init__", kwargs)
-        self._engine = engine_cls(**kwargs)
+        with _engine_process_env():
+            self._engine = engine_cls(**kwargs)
         self._call = _SGLangCalls(self._engine)
         self._loop = _LoopThread(self._engine.loop)
+        # Fixed at startup (the scheduler sizes its pool once): the token capacity the stream
+        # trainer's hand-off weighs the projected KV demand against.
+        self._kv_capacity = int(self._call("Engine.get_server_info")["max_total_num_tokens"])
 
     # ---- interface -----------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
@@ -231,6 +304,8 @@ class SGLangEngine(RolloutEngine):
                 refused.append(r.request_id)
                 continue
             self._active[r.request_id] = time.monotonic()
+            with self._returned:
+                self._in_sglang.add(r.request_id)
             self._loop.run(self._generate(r, self._active[r.request_id]))
         if self._active and self._busy_since is None:
             self._busy_since = time.monotonic()
@@ -338,17 +413,47 @@ class SGLangEngine(RolloutEngine):
                 self._push(pending, flush_cache=True)
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Release once the engine is idle (aborted requests drained): see ``wait_idle``."""
         self._memory("Engine.release_memory_occupation", tags)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._memory("Engine.resume_memory_occupation", tags)
 
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Block until sglang holds none of our requests: every one sent has come back (an aborted
+        request ends only after the scheduler's next forward) and the scheduler's load snapshot
+        shows nothing running or waiting. Raises ``TimeoutError`` after ``cfg.drain_timeout_s``."""
+        self._require_leader()
+        timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._returned:
+            if self._in_sglang:
+                self._loop.start()  # the results come back through the loop
+            if not self._returned.wait_for(lambda: not self._in_sglang, timeout=timeout_s):
+                raise TimeoutError(f"engine {self.engine_id}: sglang has not returned requests "
+                                   f"{sorted(self._in_sglang)[:8]} ({len(self._in_sglang)} in all) "
+                                   f"{timeout_s}s after they were sent or aborted")
+        # A result reaches us before the scheduler has dropped the finished batch; it publishes a
+        # fresh snapshot on going idle.
+        while (load := self._engine_load()) is not None and (load.num_running_reqs or load.num_waiting_reqs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.engine_id}: sglang still reports {load.num_running_reqs} "
+                                   f"running and {load.num_waiting_reqs} waiting requests {timeout_s}s "
+                                   f"after all of ours came back")
+            time.sleep(0.01)
+
     def stats(self) -> EngineStats:
-        """Running = in flight here (SGLang's own queue is not split out); preemptions = retractions."""
+        """The engine's own load (running, waiting, KV tokens in use, of ``max_total_num_tokens``);
+        preemptions = retractions. ``extra["in_flight"]`` counts requests not yet returned to us."""
         busy = self._stats.busy_seconds + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
-        return EngineStats(running=len(self._active), waiting=0, preemptions=self._stats.preemptions,
-                           tokens_generated=self._stats.tokens_generated, busy_seconds=busy,
-                           extra={"backend": "sglang"})
+        load = self._engine_load() if self.is_leader else None
+        return EngineStats(running=load.num_running_reqs if load else len(self._active),
+                           waiting=load.num_waiting_reqs if load else 0,
+                           kv_tokens_used=load.num_used_tokens if load else 0,
+                           kv_tokens_capacity=self._kv_capacity if self.is_leader else 0,
+                           preemptions=self._stats.preemptions, tokens_generated=self._stats.tokens_generated,
+                           busy_seconds=busy, extra={"backend": "sglang", "in_flight": len(self._active),
+                                                     "load_snapshot": load is not None})
 
     def shutdown(self) -> None:
         if self.is_leader:
@@ -381,9 +486,9 @@ class SGLangEngine(RolloutEngine):
 
     async def _generate(self, r: GenerationRequest, submitted_at: float) -> None:
         # A resumed request is a continuation: its tokens so far join the prompt (SGLang rebuilds
-        # their KV by prefill) and are put back in front of the output. SGLang restarts the
-        # seeded stream at the continuation, so unlike the reference engine the rest of the
-        # response is a different (equally valid) sample than an unmigrated request would give.
+        # their KV by prefill) and are put back in front of the output. The rest of the response is
+        # a fresh sample (SGLang ignores the seed, see the module docstring), equally valid but not
+        # the one the unmigrated request would have given, unlike the reference engine.
         if r.resume_ids:
             self._resumed[r.request_id] = (tuple(r.resume_ids), tuple(r.resume_logprobs))
         params = dataclasses.replace(r.params, max_new_tokens=r.params.max_new_tokens - len(r.resume_ids))
@@ -403,6 +508,15 @@ class SGLangEngine(RolloutEngine):
                                   if c.finish_reason == FINISH_ABORT else c)
         except Exception as exc:  # an aborted request may end in an exception; poll sorts it out
             self._results.put(_Failure(r.request_id, exc))
+        finally:
+            with self._returned:
+                self._in_sglang.discard(r.request_id)
+                self._returned.notify_all()
+
+    def _engine_load(self) -> Any:
+        """The scheduler's latest load snapshot, or None if it publishes none."""
+        loads = self._loop.run(self._call("TokenizerManager.get_loads")).result(timeout=LOAD_TIMEOUT_S)
+        return loads[0] if loads else None
 
     def _update_busy(self) -> None:
         now = time.monotonic()
@@ -419,6 +533,7 @@ class SGLangEngine(RolloutEngine):
         if self._active:
             raise RuntimeError(f"engine {self.engine_id}: {qualname.split('.')[1]} needs an idle engine "
                                f"({len(self._active)} requests in flight)")
+        self.wait_idle()
         with self._paused():
             self._call(qualname, tags=list(tags))
 

@@ -1,11 +1,14 @@
 """Checks against the real ``sglang.Engine`` (0.5.23) on CPU; run with the venv's python (``env.py``).
 
-    python engine_checks.py {engine,backend} MODEL_DIR
+    python engine_checks.py engine MODEL_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 1 engine_checks.py backend MODEL_DIR
 
 ``engine`` drives ``sglang.Engine`` directly; ``backend`` drives it through our ``SGLangEngine``. Both
 compare greedy output with transformers token for token, before and after a weight update that
-perturbs the policy. The last stdout line is ``VERDICT {json}``: each check is either true or a
-string that says what went wrong, so the pytest side can show it.
+perturbs the policy. ``backend`` runs as a torchrun worker, as ``launch/train.sh`` starts the trainer,
+and also checks the engine's lifecycle (``lifecycle_checks.py``).
+The last stdout line is ``VERDICT {json}``: each check is either true or a string that says what went
+wrong, so the pytest side can show it.
 
 An engine spawns its scheduler processes, so everything runs under ``if __name__ == "__main__"``,
 and each mode starts one engine in its own process (sglang keeps one live config per process).
@@ -21,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from lifecycle_checks import lifecycle_checks, start_under_torchrun
+
 PROMPTS = ("The capital of France is", "1 + 1 =", "Once upon a time, in a small village,")
 NEW_TOKENS = 12
 # The tiny fp32 policy served on CPU: torch-native attention and sampling (no CUDA kernels), no CUDA
@@ -31,13 +36,19 @@ CPU_ENGINE_ARGS = dict(device="cpu", attention_backend="torch_native", sampling_
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the backend pins nccl_port = port + 1), so that concurrent
-    test runs on one machine do not collide on the configured default."""
+    """A port p with p and p + 1 free (the TP-1 engine of local rank 0 uses p and nccl_port = p + 1)
+    that the config accepts as ``sglang_base_port``, so that concurrent test runs on one machine do
+    not collide on the configured default."""
+    from rollpacker.configlib import ConfigError
+    from rollpacker.rollout.config import RolloutConfig
+
     for _ in range(100):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))
             port = a.getsockname()[1]
-            if not 1024 <= port <= 64511:
+            try:
+                RolloutConfig(backend="sglang", sglang_base_port=port).validate()
+            except ConfigError:
                 continue
             with socket.socket() as b:
                 try:
@@ -119,42 +130,52 @@ def check_engine(model_dir: Path, new_weights, prompts, want_before, want_after)
     return verdict
 
 
-def check_backend(model_dir: Path, new_weights, prompts, want_before, want_after) -> dict:
+def cpu_engine(**kwargs):
+    """The backend's GPU arguments, adapted to CPU: no CUDA memory saver (torch_memory_saver is
+    CUDA-only) and no GPU index; everything else is what production passes."""
     import sglang
 
+    kwargs.pop("base_gpu_id")
+    kwargs["enable_memory_saver"] = False
+    return sglang.Engine(**{**kwargs, **CPU_ENGINE_ARGS})
+
+
+def backend_engine(model_dir: Path):
     from rollpacker.rollout.config import RolloutConfig
-    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
     from rollpacker.rollout.sglang_backend import SGLangEngine
 
-    def cpu_engine(**kwargs):
-        # The backend's GPU arguments, adapted to CPU: no CUDA memory saver (torch_memory_saver is
-        # CUDA-only) and no GPU index; everything else is what production passes.
-        kwargs.pop("base_gpu_id")
-        kwargs["enable_memory_saver"] = False
-        return sglang.Engine(**{**kwargs, **CPU_ENGINE_ARGS})
-
-    def greedy(eng: SGLangEngine, tag: str) -> list[list[int]]:
-        params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
-        eng.submit([GenerationRequest(f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)])
-        done, deadline = {}, time.monotonic() + 120
-        while len(done) < len(prompts) and time.monotonic() < deadline:
-            done.update((c.request_id, c.output_ids) for c in eng.poll(timeout=1.0))
-        return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
-
-    verdict: dict = {}
     cfg = RolloutConfig(backend="sglang", sglang_base_port=free_port_pair())
-    eng = SGLangEngine(model_dir, cfg, engine_cls=cpu_engine)
+    return SGLangEngine(model_dir, cfg, engine_cls=cpu_engine)
+
+
+def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, timeout_s: float = 120):
+    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    eng.submit([GenerationRequest(f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)])
+    done, deadline = {}, time.monotonic() + timeout_s
+    while len(done) < len(prompts) and time.monotonic() < deadline:
+        done.update((c.request_id, c.output_ids) for c in eng.poll(timeout=1.0))
+    return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
+
+
+def check_backend(model_dir: Path, new_weights, prompts, want_before, want_after) -> dict:
+    verdict: dict = {}
+    eng = start_under_torchrun(model_dir, verdict)
     try:
-        verdict["backend_greedy_matches_transformers"] = compare("before update", greedy(eng, "a"),
-                                                                 want_before)
+        verdict["backend_greedy_matches_transformers"] = compare("before update",
+                                                                 backend_generate(eng, "a", prompts), want_before)
         try:
             eng.update_weights(iter(new_weights))
             verdict["backend_update_weights_returns"] = True
         except Exception as exc:  # noqa: BLE001 - reported, not swallowed
             verdict["backend_update_weights_returns"] = f"raised {exc!r}"
         verdict["backend_greedy_after_update_matches_transformers"] = compare(
-            "after update", greedy(eng, "b"), want_after)
+            "after update", backend_generate(eng, "b", prompts), want_after)
         verdict["backend_raises_when_sglang_refuses"] = refusal_surfaces(eng, new_weights)
+        # Last: on a backend that releases a busy engine, sglang's scheduler asserts and the
+        # engine (with this process) dies, so the verdict line is lost; checks_run says how far it got.
+        verdict.update(lifecycle_checks(eng, prompts, want_after))
     finally:
         eng.shutdown()
     return verdict

@@ -1,0 +1,129 @@
+"""Engine-lifecycle checks of our ``SGLangEngine`` against the real ``sglang.Engine`` (0.5.23) on CPU.
+
+Imported by ``engine_checks.py``'s ``backend`` mode (same venv, same engine): the engine starts under
+torchrun's c10d rendezvous (review C2); the KV capacity and load the backend reports come from the
+engine (L6); memory is released only once every aborted request has come back and the engine is
+idle (L1).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+LONG_TOKENS = 400  # long enough to still be decoding when the abort lands (about 1 s per 100 on CPU)
+
+
+def progress(name: str, value) -> None:
+    """One line per finished check: if a later step kills the process (sglang SIGQUITs its parent
+    when its scheduler asserts), the output still says how far it got."""
+    print(f"PROGRESS {name}: {value!r}", flush=True)
+
+
+def engine_load(eng):
+    """The scheduler's own load snapshot (running, waiting, KV tokens), read behind the backend."""
+    tm = eng._engine.tokenizer_manager
+    (load,) = eng._loop.run(tm.get_loads()).result(timeout=30)
+    return load
+
+
+def wait_until_running(eng, n: int, timeout_s: float = 30.0):
+    """Block until the scheduler reports ``n`` running requests (so an abort hits running ones)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = engine_load(eng)
+        if load.num_running_reqs >= n:
+            return load
+        time.sleep(0.05)
+    raise TimeoutError(f"the engine never reported {n} running requests: last load {engine_load(eng)}")
+
+
+def lifecycle_checks(eng, prompts, want) -> dict:
+    """Submit long requests; while they run, check the reported stats (L6); then abort them all
+    and release memory at once (L1); after resume, greedy output must still equal ``want``."""
+    from engine_checks import CPU_ENGINE_ARGS, backend_generate, compare
+    from rollpacker.rollout.engine import MEMORY_TAGS, GenerationRequest, SamplingParams
+
+    verdict: dict = {}
+    capacity = CPU_ENGINE_ARGS["max_total_tokens"]
+    idle = eng.stats()
+    verdict["stats_kv_capacity_is_the_engines"] = (
+        True if idle.kv_tokens_capacity == capacity > 0
+        else f"stats().kv_tokens_capacity = {idle.kv_tokens_capacity}; the engine holds {capacity} KV tokens")
+    progress("stats_kv_capacity_is_the_engines", verdict["stats_kv_capacity_is_the_engines"])
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=LONG_TOKENS)
+    eng.submit([GenerationRequest(f"long-{i}", ids, params) for i, ids in enumerate(prompts)])
+    load = wait_until_running(eng, len(prompts))
+    time.sleep(0.3)  # a few decode steps: every request holds KV beyond its prompt
+    busy = eng.stats()
+    verdict["stats_report_engine_load"] = (
+        True if busy.kv_tokens_used > 0 and busy.running == len(prompts) and busy.waiting == 0
+        else f"while the engine ran {load.num_running_reqs} requests on {load.num_used_tokens} KV tokens, "
+             f"stats() said running={busy.running} waiting={busy.waiting} kv_tokens_used={busy.kv_tokens_used}")
+    progress("stats_report_engine_load", verdict["stats_report_engine_load"])
+
+    # Record what sglang still holds at the moment the backend asks it to release memory.
+    tm, call, seen = eng._engine.tokenizer_manager, eng._call, {}
+
+    def recording_call(qualname, **kwargs):
+        if qualname == "Engine.release_memory_occupation":
+            seen["in_flight"] = sorted(tm.rid_to_state)  # requests whose result has not come back
+        return call(qualname, **kwargs)
+
+    eng._call = recording_call
+    try:
+        eng.abort_all()
+        started = time.monotonic()
+        eng.release_memory(list(MEMORY_TAGS))
+        seen["release_s"] = round(time.monotonic() - started, 2)
+        eng.resume_memory(list(MEMORY_TAGS))
+    finally:
+        eng._call = call
+    verdict["release_after_abort_waits_for_idle"] = (
+        True if seen.get("in_flight") == [] else
+        f"release_memory_occupation was sent while sglang still held {seen.get('in_flight')}")
+    progress("release_after_abort_waits_for_idle", seen)
+    leftover = eng.poll(0.5)
+    verdict["aborted_requests_never_surface"] = (
+        True if not leftover else f"poll returned {[c.request_id for c in leftover]} after abort_all")
+    verdict["greedy_after_release_resume_matches_transformers"] = compare(
+        "after abort, release and resume", backend_generate(eng, "c", prompts), want)
+    return verdict
+
+
+def start_under_torchrun(model_dir, verdict: dict):
+    """Start the backend's engine in this torchrun worker (``torch.distributed.run --standalone``, a
+    c10d rendezvous, which sets TORCHELASTIC_USE_AGENT_STORE=True): the engine must come up, and the
+    worker's own environment must be left as torchrun set it (review C2)."""
+    from engine_checks import backend_engine
+
+    before = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    verdict["under_torchrun_agent_store"] = (
+        True if before == "True"
+        else f"TORCHELASTIC_USE_AGENT_STORE={before!r}: not run as a c10d torchrun worker, C2 is not checked")
+    watchdog = threading.Timer(START_TIMEOUT_S, give_up, args=(verdict,))
+    watchdog.daemon = True
+    watchdog.start()
+    eng = backend_engine(model_dir)
+    watchdog.cancel()
+    verdict["engine_starts_under_torchrun"] = True
+    after = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    verdict["worker_env_restored"] = True if after == before else f"TORCHELASTIC_USE_AGENT_STORE is now {after!r}"
+    return eng
+
+
+START_TIMEOUT_S = 150  # the engine starts in 13-16 s here; a scheduler waiting for a store server waits 30 min
+
+
+def give_up(verdict: dict) -> None:
+    """The engine did not come up: report it, kill the schedulers this process spawned, and exit."""
+    import json
+
+    import psutil
+
+    verdict["engine_starts_under_torchrun"] = f"sglang.Engine did not start within {START_TIMEOUT_S}s"
+    print("VERDICT " + json.dumps(verdict), flush=True)
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(3)
