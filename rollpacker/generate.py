@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="completion k of line i uses seed + i * n + k")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS token")
     p.add_argument("--kv-cache-tokens", type=int, default=RolloutConfig.kv_cache_tokens)
-    p.add_argument("--device", default="cpu", help="reference backend: cpu or cuda")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (sglang: cpu runs its plain-torch CPU path)")
+    p.add_argument("--sglang-base-port", type=int, default=RolloutConfig.sglang_base_port,
+                   help="sglang: first port of this node's engines (see RolloutConfig.sglang_base_port)")
     args = p.parse_args(argv)
     if args.n < 1 or args.max_new_tokens < 1 or args.tp < 1:
         p.error("--n, --max-new-tokens and --tp must be >= 1")
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if world > 1:
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         group = dist.new_group(list(range(world)))
-    cfg = RolloutConfig(backend=args.backend, tp=args.tp, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed)
+    cfg = RolloutConfig(backend=args.backend, tp=args.tp, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
+                        sglang_base_port=args.sglang_base_port)
     engine = make_engine(cfg, model_dir, group=group, device=device)
     if not engine.is_leader:
         engine.serve_follower()  # until the leader's stop_followers()

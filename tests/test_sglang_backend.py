@@ -19,10 +19,10 @@ from rollpacker.rollout import make_engine
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RENDEZVOUS_PORTS, SGLANG_PORT_SPAN, RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
+from rollpacker.rollout.sglang_args import engine_ports, server_args
 from rollpacker.rollout.sglang_backend import (AGENT_STORE_ENV, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
                                                SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
-                                               WeightSyncError, engine_ports, sampling_params, server_args,
-                                               weight_buckets)
+                                               WeightSyncError, sampling_params, weight_buckets)
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -155,6 +155,38 @@ def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
                                 sglang_engine_cls=RecordingEngine)
     assert by_local_rank._engine.kwargs["base_gpu_id"] == 3
     assert by_local_rank._engine.kwargs["port"] == engine_ports(30000, 3, 1)[0]
+
+
+def test_server_args_on_cpu_are_sglangs_plain_torch_path():
+    """device "cpu": torch-native attention and sampling, no CUDA graphs, no memory saver (CUDA-only),
+    no GPU index, fp32 unless a dtype is named, and the KV pool is ``kv_cache_tokens``."""
+    cfg = RolloutConfig(backend="sglang", kv_cache_tokens=4096, seed=1)
+    args = server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=2, device="cpu")
+    assert {k: args[k] for k in ("device", "attention_backend", "sampling_backend", "disable_cuda_graph",
+                                 "enable_memory_saver", "max_total_tokens", "dtype", "random_seed")} == dict(
+        device="cpu", attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
+        enable_memory_saver=False, max_total_tokens=4096, dtype="float32", random_seed=3)
+    assert "base_gpu_id" not in args
+    assert server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=0, device="cpu", dtype="bfloat16")["dtype"] \
+        == "bfloat16"
+    gpu = server_args("/m", cfg, tp_size=1, local_rank=0, gpu_id=0, engine_id=0)
+    assert "device" not in gpu and "max_total_tokens" not in gpu and "dtype" not in gpu
+    on_cpu = make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu", sglang_engine_cls=RecordingEngine)
+    assert on_cpu._engine.kwargs["device"] == "cpu" and "base_gpu_id" not in on_cpu._engine.kwargs
+    with pytest.raises(ValueError, match="cuda or cpu"):
+        server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=0, device="meta")
+
+
+def test_cpu_engine_env_splits_the_cpus_among_tp_ranks(monkeypatch):
+    """sglang 0.5.23 on CPU gives each TP rank a NUMA node unless SGLANG_CPU_OMP_THREADS_BIND is set."""
+    from rollpacker.rollout.sglang_args import THREADS_BIND_ENV, cpu_engine_env
+    monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
+    assert cpu_engine_env(1) == {}
+    assert cpu_engine_env(2, cpus=[0, 1, 2, 3]) == {THREADS_BIND_ENV: "0-1|2-3"}
+    assert cpu_engine_env(2, cpus=[0, 4, 5]) == {THREADS_BIND_ENV: "0|4-5"}
+    assert cpu_engine_env(2, cpus=[3]) == {THREADS_BIND_ENV: "3|3"}
+    monkeypatch.setenv(THREADS_BIND_ENV, "0-7|8-15")
+    assert cpu_engine_env(2, cpus=[0, 1]) == {}
 
 
 def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():

@@ -6,7 +6,7 @@ from typing import Literal
 
 from rollpacker.configlib import ConfigError
 
-# SGLang engine ports (``sglang_backend.engine_ports``): each engine led by a node-local rank gets a
+# SGLang engine ports (``sglang_args.engine_ports``): each engine led by a node-local rank gets a
 # block of SGLANG_PORT_BLOCK ports (sglang binds ``port`` and ``nccl_port = port + 1``), one block per
 # TP size 1, 2, 4, ... 2**(SGLANG_TP_SLOTS - 1) per local rank, so a node's engines use
 # [sglang_base_port, sglang_base_port + SGLANG_PORT_SPAN).

@@ -5,7 +5,8 @@ The first rank of each rollout TP group owns one ``sglang.Engine`` with
 starts its own TP worker processes on the group's GPUs, so the other ranks of
 the group have nothing to drive. Each engine owns a block of ports chosen by
 (node-local rank, TP size) so that no two engines on a node share one, whichever
-TP sets a rank leads (``engine_ports``).
+TP sets a rank leads (``engine_ports``). With ``device="cpu"`` the engine runs sglang's
+plain-torch CPU path instead (``sglang_args.server_args``, ``cpu_engine_env``).
 
 Requests go through ``Engine.async_generate`` on the engine's own event loop,
 run by a background thread while requests are in flight; each result lands in
@@ -65,9 +66,10 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from rollpacker.rollout.config import SGLANG_MAX_LOCAL_RANKS, SGLANG_PORT_BLOCK, SGLANG_TP_SLOTS, RolloutConfig
+from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import (FINISH_ABORT, FINISH_EVICTED, MEMORY_TAGS, Completion, EngineStats, GenerationRequest,
                                        RequestError, RolloutEngine, SamplingParams)
+from rollpacker.rollout.sglang_args import cpu_engine_env, server_args
 
 SGLANG_VERSION = "0.5.23"
 # torchrun's c10d rendezvous sets this in its workers; see ``_engine_process_env``.
@@ -78,7 +80,10 @@ LOAD_TIMEOUT_S = 30.0  # one load-snapshot read (a shared-memory read on the eng
 # ``Engine.__init__`` keywords are ServerArgs fields.
 SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.__init__": ("model_path", "tp_size", "base_gpu_id", "port", "nccl_port", "enable_memory_saver",
-                        "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed"),
+                        "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed",
+                        # a CPU engine (``sglang_args.server_args``)
+                        "device", "attention_backend", "sampling_backend", "disable_cuda_graph",
+                        "max_total_tokens", "dtype", "skip_server_warmup"),
     "Engine.get_server_info": (),
     "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid"),
     "Engine.release_memory_occupation": ("tags",),
@@ -99,37 +104,6 @@ SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 class WeightSyncError(RuntimeError):
     """SGLang refused part of a weight push: the engine must not serve rollouts from what it holds."""
-
-
-def engine_ports(base_port: int, local_rank: int, tp_size: int) -> tuple[int, int]:
-    """``(port, nccl_port)`` of the TP-``tp_size`` engine led by node-local rank ``local_rank``.
-
-    One rank leads engines of several TP sizes (``EngineSets``), and sglang's TP-rank-0 scheduler
-    binds a TCPStore on ``nccl_port``: a port per rank alone would make the second engine's bind
-    fail, and sglang then SIGQUITs the rank. So each (local rank, TP size) pair gets its own block
-    of ``SGLANG_PORT_BLOCK`` ports; all blocks of a node lie in ``[base, base + SGLANG_PORT_SPAN)``,
-    which ``RolloutConfig.validate`` keeps clear of the rendezvous ports. Nodes do not share ports,
-    so the global rank plays no part.
-    """
-    if tp_size < 1 or tp_size & (tp_size - 1) or tp_size.bit_length() > SGLANG_TP_SLOTS:
-        raise ValueError(f"sglang engine TP size must be a power of two <= {1 << (SGLANG_TP_SLOTS - 1)}, "
-                         f"got {tp_size}")
-    if not 0 <= local_rank < SGLANG_MAX_LOCAL_RANKS:
-        raise ValueError(f"local rank {local_rank} is outside the {SGLANG_MAX_LOCAL_RANKS} ranks per node "
-                         f"that the sglang port layout provides for")
-    slot = local_rank * SGLANG_TP_SLOTS + tp_size.bit_length() - 1
-    port = base_port + SGLANG_PORT_BLOCK * slot
-    return port, port + 1
-
-
-def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, local_rank: int, gpu_id: int,
-                engine_id: int) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``."""
-    port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size)
-    return dict(model_path=str(model_dir), tp_size=tp_size, base_gpu_id=gpu_id, port=port, nccl_port=nccl_port,
-                enable_memory_saver=True, mem_fraction_static=cfg.mem_fraction_static,
-                max_running_requests=cfg.max_running_requests, skip_tokenizer_init=True,
-                random_seed=cfg.seed + engine_id)
 
 
 def sampling_params(p: SamplingParams) -> dict[str, Any]:
@@ -220,8 +194,9 @@ class _LoopThread:
 
 
 @contextlib.contextmanager
-def _engine_process_env() -> Iterator[None]:
-    """Hide ``TORCHELASTIC_USE_AGENT_STORE`` while sglang spawns its processes (review C2).
+def _engine_process_env(extra: dict[str, str]) -> Iterator[None]:
+    """Hide ``TORCHELASTIC_USE_AGENT_STORE`` while sglang spawns its processes (review C2), and set
+    ``extra`` (``cpu_engine_env``) meanwhile.
 
     torchrun's c10d rendezvous sets it to True in every worker. The schedulers inherit it, and their
     ``init_process_group("tcp://127.0.0.1:<nccl_port>")`` then only creates ``TCPStore`` clients
@@ -229,12 +204,17 @@ def _engine_process_env() -> Iterator[None]:
     wait for the store until its timeout and the engine never starts. sglang 0.5.23 never touches
     the variable. It is put back afterwards: the trainer's own process groups rely on it.
     """
-    saved = os.environ.pop(AGENT_STORE_ENV, None)
+    saved = {k: os.environ.get(k) for k in (AGENT_STORE_ENV, *extra)}
+    os.environ.pop(AGENT_STORE_ENV, None)
+    os.environ.update(extra)
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ[AGENT_STORE_ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass
@@ -247,7 +227,8 @@ class SGLangEngine(RolloutEngine):
     """``RolloutEngine`` over ``sglang.Engine``; constructed on every rank of ``group``.
 
     ``engine_cls`` replaces ``sglang.Engine`` (tests inject a recording double). ``device``
-    ``"cuda:N"`` pins the leader's GPU; otherwise it is ``LOCAL_RANK``.
+    ``"cuda:N"`` pins the leader's GPU, ``"cuda"`` takes ``LOCAL_RANK``'s; ``"cpu"`` runs the
+    engine on CPU (``sglang_args.server_args``).
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, group: dist.ProcessGroup | None = None,
@@ -281,11 +262,11 @@ class SGLangEngine(RolloutEngine):
         os.environ.update(SGLANG_ENV)
         dev = torch.device(device)
         local_rank = int(os.environ.get("LOCAL_RANK", ranks[0]))
-        gpu = dev.index if dev.index is not None else local_rank
+        gpu = None if dev.type == "cpu" else dev.index if dev.index is not None else local_rank
         kwargs = server_args(model_dir, cfg, tp_size=len(ranks), local_rank=local_rank, gpu_id=gpu,
-                             engine_id=engine_id)
+                             engine_id=engine_id, device=dev)
         _SGLangCalls.check("Engine.__init__", kwargs)
-        with _engine_process_env():
+        with _engine_process_env(cpu_engine_env(len(ranks)) if dev.type == "cpu" else {}):
             self._engine = engine_cls(**kwargs)
         self._call = _SGLangCalls(self._engine)
         self._loop = _LoopThread(self._engine.loop)

@@ -130,22 +130,15 @@ def check_engine(model_dir: Path, new_weights, prompts, want_before, want_after)
     return verdict
 
 
-def cpu_engine(**kwargs):
-    """The backend's GPU arguments, adapted to CPU: no CUDA memory saver (torch_memory_saver is
-    CUDA-only) and no GPU index; everything else is what production passes."""
-    import sglang
-
-    kwargs.pop("base_gpu_id")
-    kwargs["enable_memory_saver"] = False
-    return sglang.Engine(**{**kwargs, **CPU_ENGINE_ARGS})
-
-
 def backend_engine(model_dir: Path):
+    """Our backend on CPU with the arguments it builds itself (``sglang_args.server_args``); its KV
+    budget is the raw engine's, so both checks run the same pool."""
     from rollpacker.rollout.config import RolloutConfig
     from rollpacker.rollout.sglang_backend import SGLangEngine
 
-    cfg = RolloutConfig(backend="sglang", sglang_base_port=free_port_pair())
-    return SGLangEngine(model_dir, cfg, engine_cls=cpu_engine)
+    cfg = RolloutConfig(backend="sglang", sglang_base_port=free_port_pair(),
+                        kv_cache_tokens=CPU_ENGINE_ARGS["max_total_tokens"])
+    return SGLangEngine(model_dir, cfg, device="cpu")
 
 
 def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, timeout_s: float = 120):

@@ -1,0 +1,103 @@
+"""``sglang.Engine`` arguments of the SGLang backend: ports per (local rank, TP) and the server
+arguments for a GPU or a CPU engine (pinned sglang 0.5.23)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollpacker.rollout.config import SGLANG_MAX_LOCAL_RANKS, SGLANG_PORT_BLOCK, SGLANG_TP_SLOTS, RolloutConfig
+
+# The dtype a CPU engine computes in unless the caller names one: sglang's default ("auto", the
+# checkpoint's dtype) would serve a bf16 checkpoint in bf16, which CPUs compute slowly and which
+# departs from the fp32 trainer and reference engine on CPU.
+CPU_DTYPE = "float32"
+
+
+def engine_ports(base_port: int, local_rank: int, tp_size: int) -> tuple[int, int]:
+    """``(port, nccl_port)`` of the TP-``tp_size`` engine led by node-local rank ``local_rank``.
+
+    One rank leads engines of several TP sizes (``EngineSets``), and sglang's TP-rank-0 scheduler
+    binds a TCPStore on ``nccl_port``: a port per rank alone would make the second engine's bind
+    fail, and sglang then SIGQUITs the rank. So each (local rank, TP size) pair gets its own block
+    of ``SGLANG_PORT_BLOCK`` ports; all blocks of a node lie in ``[base, base + SGLANG_PORT_SPAN)``,
+    which ``RolloutConfig.validate`` keeps clear of the rendezvous ports. Nodes do not share ports,
+    so the global rank plays no part.
+    """
+    if tp_size < 1 or tp_size & (tp_size - 1) or tp_size.bit_length() > SGLANG_TP_SLOTS:
+        raise ValueError(f"sglang engine TP size must be a power of two <= {1 << (SGLANG_TP_SLOTS - 1)}, "
+                         f"got {tp_size}")
+    if not 0 <= local_rank < SGLANG_MAX_LOCAL_RANKS:
+        raise ValueError(f"local rank {local_rank} is outside the {SGLANG_MAX_LOCAL_RANKS} ranks per node "
+                         f"that the sglang port layout provides for")
+    slot = local_rank * SGLANG_TP_SLOTS + tp_size.bit_length() - 1
+    port = base_port + SGLANG_PORT_BLOCK * slot
+    return port, port + 1
+
+
+def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, local_rank: int,
+                gpu_id: int | None = None, engine_id: int, device: str | torch.device = "cuda",
+                dtype: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``.
+
+    On a GPU (``device`` of type cuda) the engine starts at ``gpu_id`` with sglang's own kernels and
+    CUDA graphs, its memory under the memory saver (release/resume) and its KV pool sized by
+    ``mem_fraction_static``. On CPU (``device`` "cpu") it runs sglang's plain-torch path:
+    - torch-native attention and the pytorch sampler: sglang's CPU defaults are the ``intel_amx``
+      attention backend and ``sgl_kernel`` CPU ops, which a CPU build without AMX kernels lacks;
+    - no CUDA graphs, and no memory saver: ``torch_memory_saver`` is CUDA-only, so release/resume
+      keep the memory on CPU (they still pause and resume the engine);
+    - no ``base_gpu_id``;
+    - ``dtype`` (default ``CPU_DTYPE``, fp32);
+    - a KV pool of ``cfg.kv_cache_tokens`` tokens (``max_total_tokens``), as the reference engine's,
+      instead of a fraction of the host's memory;
+    - no server warm-up request (the engine is driven in-process, no HTTP server to warm up).
+    """
+    port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size)
+    common = dict(model_path=str(model_dir), tp_size=tp_size, port=port, nccl_port=nccl_port,
+                  mem_fraction_static=cfg.mem_fraction_static, max_running_requests=cfg.max_running_requests,
+                  skip_tokenizer_init=True, random_seed=cfg.seed + engine_id)
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return dict(common, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+                    disable_cuda_graph=True, enable_memory_saver=False, max_total_tokens=cfg.kv_cache_tokens,
+                    dtype=dtype or CPU_DTYPE, skip_server_warmup=True)
+    if kind != "cuda":
+        raise ValueError(f"the sglang backend runs on cuda or cpu devices, got {device!r}")
+    if gpu_id is None:
+        raise ValueError("a GPU sglang engine needs gpu_id (its base_gpu_id)")
+    out = dict(common, base_gpu_id=gpu_id, enable_memory_saver=True)
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def cpu_engine_env(tp_size: int, cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment a CPU engine of ``tp_size`` ranks needs while sglang spawns its schedulers.
+
+    Unless ``SGLANG_CPU_OMP_THREADS_BIND`` is set, sglang 0.5.23 gives each TP rank one NUMA node and
+    asserts ``tp_size <= NUMA nodes`` (``utils/numa_utils.py``, ``init_threads_binding``), so a TP-2
+    engine cannot start on a one-node host. For ``tp_size > 1`` this splits the CPUs the process may
+    run on (``cpus``, default its affinity) into ``tp_size`` '|'-separated groups, one per rank (a
+    rank shares a CPU when there are fewer CPUs than ranks). A value the caller set is left alone.
+    With the variable set sglang does not size the KV pool from host memory, which is why CPU
+    engines always get ``max_total_tokens``.
+    """
+    if tp_size == 1 or os.environ.get(THREADS_BIND_ENV):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    groups = [cpus[i * len(cpus) // tp_size:(i + 1) * len(cpus) // tp_size] or [cpus[i % len(cpus)]]
+              for i in range(tp_size)]
+    return {THREADS_BIND_ENV: "|".join(_cpu_list(g) for g in groups)}
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """"0-15" for a contiguous run (the form sglang's own examples use), else "0,2,5"."""
+    if len(cpus) > 1 and cpus[-1] - cpus[0] == len(cpus) - 1:
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
