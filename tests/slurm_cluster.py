@@ -1,8 +1,10 @@
 """A one-node Slurm cluster on this machine, for launch tests (Debian slurmctld/slurmd/munge)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -22,27 +24,29 @@ def available() -> str | None:
 
 
 class LocalSlurm:
+    """Slurm and munge daemons of this test only: their own key, socket, ports, pid and state files
+    under ``workdir``, stopped by the pids they wrote. Nothing system-wide is read, written or killed,
+    so a real cluster's daemons on the same machine are left alone."""
+
     def __init__(self, workdir: Path):
         self.dir = Path(workdir)
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.dir / "slurm.conf"
+        self.munge_socket = self.dir / "munge" / "munge.socket"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self.procs: list[str] = []
+        self.pid_files = [self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.dir / "munge" / "munged.pid"]
 
     def start(self, timeout: float = 60) -> None:
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "spool", "log", "munge"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        munge = self.dir / "munge"
+        munge.chmod(0o700)  # munged refuses a socket directory others can write to
+        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True)
+        (munge / "munge.key").chmod(0o400)
+        subprocess.run(["/usr/sbin/munged", "--force", f"--socket={self.munge_socket}",
+                        f"--key-file={munge / 'munge.key'}", f"--pid-file={munge / 'munged.pid'}",
+                        f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"], check=True)
         self.conf.write_text(self._conf())
-        key = Path("/etc/munge/munge.key")
-        if not key.exists():
-            subprocess.run(["mungekey", "--create", "--force"], check=True)
-        shutil.chown(key, "munge", "munge")
-        key.chmod(0o400)
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
-            Path("/run/munge").mkdir(parents=True, exist_ok=True)
-            shutil.chown("/run/munge", "munge", "munge")
-            subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged", "--force"], check=True)
-        self._stop_daemons()
         subprocess.run(["/usr/sbin/slurmctld", "-f", str(self.conf)], env=self.env, check=True)
         subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf)], env=self.env, check=True)
         deadline = time.time() + timeout
@@ -61,19 +65,21 @@ class LocalSlurm:
         return "\n".join(p.read_text()[-3000:] for p in (self.dir / "log").glob("*.log"))
 
     def stop(self) -> None:
-        self._stop_daemons()
-
-    def _stop_daemons(self) -> None:
-        for d in ("slurmd", "slurmctld"):
-            subprocess.run(["pkill", "-x", d], capture_output=True)
+        for pid_file in self.pid_files:
+            if pid_file.exists():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
         time.sleep(0.5)
 
     def _conf(self) -> str:
-        d, cpus = self.dir, os.cpu_count()
+        d, cpus, ports = self.dir, os.cpu_count(), _free_ports(2)
         return f"""ClusterName=rollpacker-test
 SlurmctldHost={self.host}
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=socket={self.munge_socket}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -91,3 +97,15 @@ AccountingStorageType=accounting_storage/none
 NodeName={self.host} CPUs={cpus} RealMemory=20000 State=UNKNOWN
 PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
+
+
+def _free_ports(n: int) -> list[int]:
+    """Ports free now, so the test's daemons never take over a real cluster's 6817/6818."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
