@@ -75,11 +75,25 @@ class SDPADotProductAttention(DotProductAttention):
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"packed SDPA attention is causal only, got {mask_type}")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu.tolist()
-        if bounds[-1] != query.size(0):
-            raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row holds {query.size(0)} tokens")
-        spans = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        spans = _spans(cu)
+        if spans[-1][1] != query.size(0):
+            raise ValueError(f"cu_seqlens ends at {spans[-1][1]} but the packed row holds {query.size(0)} tokens")
         return torch.cat([self._sdpa(query[a:b], key[a:b], value[a:b], None, causal=True) for a, b in spans])
+
+
+# Every layer of a forward gets the same cu_seqlens tensor; reading it to the host is a device sync,
+# so it is read once per micro-batch instead of once per layer. Holding the tensor keeps its identity
+# from being reused by another one.
+_last_spans: tuple[Tensor, list[tuple[int, int]]] | None = None
+
+
+def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
+    """The non-empty ``[start, end)`` token spans of a packed row's sequences."""
+    global _last_spans
+    if _last_spans is None or _last_spans[0] is not cu_seqlens:
+        bounds = cu_seqlens.tolist()
+        _last_spans = (cu_seqlens, [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
+    return _last_spans[1]
 
 
 @contextlib.contextmanager
