@@ -29,19 +29,29 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 CHUNK_TOKENS = 2048
 
 
-def _check(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> tuple[int, torch.Tensor]:
-    """This rank's first vocabulary id, and its padding columns (ids >= ``vocab_size``)."""
+def _check(logits: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> tuple[int, torch.Tensor | None]:
+    """This rank's first vocabulary id, and its padding columns (ids >= ``vocab_size``), or None
+    where it has none: each masking pass is a read and a write of a whole fp32 chunk, skipped
+    for vocabularies that need no padding (Qwen2.5's 151,936 is a multiple of 128)."""
     local_vocab = logits.shape[-1]
     if not 0 < vocab_size <= local_vocab * tp_group.size():
         raise ValueError(f"vocab_size={vocab_size} does not fit logits of {local_vocab} columns "
                          f"x {tp_group.size()} TP ranks")
     start = tp_group.rank() * local_vocab
+    if start + local_vocab <= vocab_size:
+        return start, None
     return start, torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
 
 
-def _global_max(z: torch.Tensor, padding: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+def _masked(x: torch.Tensor, padding: torch.Tensor | None, value: float) -> torch.Tensor:
+    """``x`` with its padding columns set to ``value`` in place (``x`` itself where there are none)."""
+    return x if padding is None else x.masked_fill_(padding, value)
+
+
+def _global_max(z: torch.Tensor, padding: torch.Tensor | None, tp_group: dist.ProcessGroup) -> torch.Tensor:
     # The max is only a shift for stability: no gradient flows through it.
-    z_max = z.detach().masked_fill(padding, float("-inf")).amax(dim=-1)
+    z = z.detach()
+    z_max = (z if padding is None else z.masked_fill(padding, float("-inf"))).amax(dim=-1)
     if tp_group.size() > 1:
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
     return z_max
@@ -71,7 +81,7 @@ class _LabelLogProb(torch.autograd.Function):
             here = (local >= 0) & (local < flat.shape[1])
             picked = z.gather(1, local.clamp(0, flat.shape[1] - 1)[:, None])[:, 0]
             label_shifted = _sum(torch.where(here, picked, 0.0), tp_group)
-            sum_exp = _sum(z.exp_().masked_fill_(padding, 0.0).sum(dim=-1), tp_group)
+            sum_exp = _sum(_masked(z.exp_(), padding, 0.0).sum(dim=-1), tp_group)
             # log p = (z_label - max) - log sum exp(z - max); keep max + log sum exp for backward
             logp[a:a + CHUNK_TOKENS] = label_shifted - sum_exp.log()
             shift[a:a + CHUNK_TOKENS] = z_max + sum_exp.log()
@@ -90,10 +100,11 @@ class _LabelLogProb(torch.autograd.Function):
             # d log p(label) / d z = onehot(label) - softmax(z), this rank's columns only; one fp32
             # chunk, updated in place (a copy even for fp32 logits, which backward must not change)
             grad_z = flat[a:a + CHUNK_TOKENS].to(torch.float32, copy=True)
-            grad_z.sub_(shift[a:a + CHUNK_TOKENS, None]).exp_().masked_fill_(padding, 0.0).neg_()
+            _masked(grad_z.sub_(shift[a:a + CHUNK_TOKENS, None]).exp_(), padding, 0.0).neg_()
             local = flat_labels[a:a + CHUNK_TOKENS] - ctx.start
-            rows = ((local >= 0) & (local < flat.shape[1])).nonzero()[:, 0]
-            grad_z[rows, local[rows]] += 1.0
+            here = (local >= 0) & (local < flat.shape[1])
+            # += 1 at each label this rank holds, without a host round trip (nonzero() syncs)
+            grad_z.scatter_add_(1, local.clamp(0, flat.shape[1] - 1)[:, None], here.to(grad_z.dtype)[:, None])
             out[a:a + CHUNK_TOKENS] = grad_z.mul_(g[a:a + CHUNK_TOKENS, None])
         return out.view_as(logits), None, None, None
 
@@ -120,8 +131,12 @@ def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup, *, vocab_si
     for a in range(0, flat.shape[0], CHUNK_TOKENS):
         z = flat[a:a + CHUNK_TOKENS].float()
         # Zeros rather than -inf on padding columns keep 0 * inf (NaN) out of values and gradients.
-        shifted = (z - _global_max(z, padding, tp_group)[:, None]).masked_fill(padding, 0.0)
-        exp = shifted.exp().masked_fill(padding, 0.0)
+        shifted = z - _global_max(z, padding, tp_group)[:, None]
+        if padding is not None:
+            shifted = shifted.masked_fill(padding, 0.0)
+        exp = shifted.exp()
+        if padding is not None:
+            exp = exp.masked_fill(padding, 0.0)
         sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), tp_group)
         # H = log S - sum(e * shifted) / S, with both sums reduced before they meet: a reduced value
         # that fed back into per-rank terms would get only this rank's share of its gradient.
@@ -130,11 +145,12 @@ def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup, *, vocab_si
     return torch.cat(chunks).view(logits.shape[:-1])
 
 
-def _entropy_no_grad(chunk: torch.Tensor, padding: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
+def _entropy_no_grad(chunk: torch.Tensor, padding: torch.Tensor | None,
+                     tp_group: dist.ProcessGroup) -> torch.Tensor:
     """The same entropy as :func:`token_entropy`'s differentiable path, without a graph to keep."""
     shifted = chunk.to(torch.float32, copy=True)
-    shifted.sub_(_global_max(shifted, padding, tp_group)[:, None]).masked_fill_(padding, 0.0)
-    exp = shifted.exp().masked_fill_(padding, 0.0)
+    _masked(shifted.sub_(_global_max(shifted, padding, tp_group)[:, None]), padding, 0.0)
+    exp = _masked(shifted.exp(), padding, 0.0)
     sum_exp = _sum(exp.sum(dim=-1), tp_group)
     weighted = _sum(exp.mul_(shifted).sum(dim=-1), tp_group)
     return sum_exp.log() - weighted / sum_exp

@@ -75,25 +75,33 @@ class SDPADotProductAttention(DotProductAttention):
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"packed SDPA attention is causal only, got {mask_type}")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        spans = _spans(cu)
-        if spans[-1][1] != query.size(0):
-            raise ValueError(f"cu_seqlens ends at {spans[-1][1]} but the packed row holds {query.size(0)} tokens")
-        return torch.cat([self._sdpa(query[a:b], key[a:b], value[a:b], None, causal=True) for a, b in spans])
+        lengths = _lengths(cu)
+        if sum(lengths) != query.size(0):
+            raise ValueError(f"cu_seqlens ends at {sum(lengths)} but the packed row holds {query.size(0)} tokens")
+        # torch.split, not one slice per sequence: the backward of a slice zero-fills a tensor of the
+        # whole row and copies into it (sequences x tokens of traffic); split's backward is one cat.
+        pieces = zip(*(torch.split(t, lengths) for t in (query, key, value)))
+        return torch.cat([self._sdpa(q, k, v, None, causal=True) for q, k, v in pieces if q.size(0)])
 
 
 # Every layer of a forward gets the same cu_seqlens tensor; reading it to the host is a device sync,
 # so it is read once per micro-batch instead of once per layer. Holding the tensor keeps its identity
 # from being reused by another one.
-_last_spans: tuple[Tensor, list[tuple[int, int]]] | None = None
+_last_lengths: tuple[Tensor, list[int]] | None = None
 
 
-def _spans(cu_seqlens: Tensor) -> list[tuple[int, int]]:
-    """The non-empty ``[start, end)`` token spans of a packed row's sequences."""
-    global _last_spans
-    if _last_spans is None or _last_spans[0] is not cu_seqlens:
+def _lengths(cu_seqlens: Tensor) -> list[int]:
+    """The token counts of a packed row's sequences (zero for empty ones)."""
+    global _last_lengths
+    if _last_lengths is None or _last_lengths[0] is not cu_seqlens:
         bounds = cu_seqlens.tolist()
-        _last_spans = (cu_seqlens, [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a])
-    return _last_spans[1]
+        _last_lengths = (cu_seqlens, [b - a for a, b in zip(bounds[:-1], bounds[1:])])
+    return _last_lengths[1]
+
+
+def uses_sdpa_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s core attention is this module's (the layer spec without Transformer Engine)."""
+    return any(isinstance(m, SDPADotProductAttention) for m in model.modules())
 
 
 @contextlib.contextmanager

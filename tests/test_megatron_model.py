@@ -52,13 +52,15 @@ def test_tied_model_has_no_separate_output_weight(ckpts, layout):
     assert tied.embedding.word_embeddings.weight.shape == (256, 64)  # 250 padded to a multiple of 128
 
 
+@pytest.mark.parametrize("vocab", [250, 256])
 @pytest.mark.parametrize("chunk", [2048, 4])
-def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout, chunk, monkeypatch):
+def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout, chunk, vocab, monkeypatch):
     """Values and gradients against log_softmax over the real vocabulary, in one chunk and across
-    chunk boundaries (21 tokens in chunks of 4)."""
+    chunk boundaries (21 tokens in chunks of 4), with padding columns and without (a vocabulary
+    that is already a multiple of 128 skips the masking)."""
     from megatron_ext import logprobs
     monkeypatch.setattr(logprobs, "CHUNK_TOKENS", chunk)
-    errors = logprob_grad_errors(layout)
+    errors = logprob_grad_errors(layout, vocab=vocab)
     assert errors["logprob_value"] < 1e-5 and errors["entropy_value"] < 1e-5 and errors["grad"] < 1e-6
 
 
@@ -175,7 +177,15 @@ def test_packed_thd_forward_equals_each_sequence_alone(ckpts, layout):
     shard, params = cp_shard(thd, cp=1, cp_rank=0)
     packed = model(shard.input_ids, shard.position_ids, attention_mask=None, packed_seq_params=params)[0]
     starts, lengths = thd.cu_seqlens[:-1].tolist(), thd.cu_seqlens_unpadded.diff().tolist()
+    # Backward too: a loss over the real tokens gives the gradients of the sequences run alone.
+    weights = torch.randn(packed.shape, generator=gen)
+    (sum((packed[a:a + n] * weights[a:a + n]).sum() for a, n in zip(starts, lengths))).backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     for s, start, n in zip(samples, starts, lengths):
         ids = torch.tensor([s.prompt.input_ids + s.response_ids])
         alone = model(ids, torch.arange(n)[None], attention_mask=None)[0]
         assert (packed[start:start + n] - alone).abs().max().item() < 1e-5
+        (alone * weights[start:start + n]).sum().backward()
+    for name, p in model.named_parameters():
+        assert (packed_grads[name] - p.grad).abs().max().item() <= 1e-5 * (1 + p.grad.abs().max().item()), name

@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
+from megatron_ext.sdpa_attention import uses_sdpa_attention
 from rollpacker.trainer.backend import Backend, LossFn, StepResult
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import TOKEN_FIELDS, MicroBatch
@@ -132,10 +133,16 @@ class GpuBackend(Backend):
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = None
         self._forward_backward_func = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
+        # Without Transformer Engine every reader of cu_seqlens wants them on the host: the SDPA core
+        # attention, and Megatron's unfused THD RoPE, which calls .tolist() on them for the query and
+        # the key of every layer (48 device syncs per forward of a 24-layer model, seen in an H100
+        # profile). TE's fused kernels read them on the device.
+        self._seqlens_device = torch.device("cpu") if uses_sdpa_attention(model) else None
         self._schedule_groups = schedule_groups(layout, config)
 
     def _forward_step(self, loss_fn: LossFn, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-        mb, params = cp_shard(next(data_iterator).to(self.layout.device), self.layout.cp, self.layout.cp_rank)
+        mb, params = cp_shard(next(data_iterator).to(self.layout.device, seqlens_device=self._seqlens_device),
+                              self.layout.cp, self.layout.cp_rank)
         output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=params)
 
         def loss_func(logits: torch.Tensor):

@@ -137,8 +137,11 @@ class MicroBatch:
     num_tokens: int  # real (unpadded) tokens, the compute cost
     ref_logprobs: torch.Tensor | None = None  # filled by the trainer when kl_coef > 0
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+    def to(self, device: torch.device | str, *, seqlens_device: torch.device | str | None = None) -> "MicroBatch":
+        """Every tensor on ``device``, except ``cu_seqlens*`` on ``seqlens_device`` (default: ``device``)."""
+        def where(name: str) -> torch.device | str:
+            return seqlens_device if seqlens_device is not None and name.startswith("cu_seqlens") else device
+        moved = {k: (v.to(where(k)) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return MicroBatch(**moved)
 
 
