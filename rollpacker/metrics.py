@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 PHASE_COLOURS = {
     "rollout": "#4C72B0", "serve": "#6A8FC8", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
-    "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860",
+    "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860", "barrier": "#BDBDBD",
     "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974",
 }
 

@@ -8,6 +8,12 @@ share the accelerator, so each phase keeps only its own memory resident::
           resumed (for the   engine KV resumed        trainer onloaded
           weight push)
 
+An engine of TP > 1 spans the devices of several ranks, and its leader alone releases and resumes
+its memory on all of them. So between the trainer's offload and the engine's resume, and between
+the engine's release and the trainer's onload, the ranks of the engine wait for each other
+(``barrier``): otherwise a follower could onload its trainer onto a device the leader's engine has
+not released yet, or the leader resume KV onto a device whose trainer is still resident.
+
 A run starts in TRAIN with every engine released. Weights are pushed in SYNC,
 right before the rollout that uses them, so a regroup between rounds only
 chooses which engine set wakes up.
@@ -49,16 +55,18 @@ class PhaseError(RuntimeError):
 
 
 class PhaseMachine:
-    def __init__(self, trainer: Offloadable, engines: Callable[[], Sequence[RolloutEngine]], timeline: Timeline):
-        """``engines`` returns the engines this rank leads in the current layout (may change per round)."""
+    def __init__(self, trainer: Offloadable, engines: Callable[[], Sequence[RolloutEngine]], timeline: Timeline,
+                 barrier: Callable[[], None] = lambda: None):
+        """``engines`` returns the engines this rank leads in the current layout (may change per round);
+        ``barrier`` waits for the other ranks whose devices the current engine spans."""
         self.trainer, self.engines, self.timeline = trainer, engines, timeline
         self.phase = Phase.TRAIN
         self.seconds: dict[str, float] = {}
         self._table: dict[tuple[Phase, Phase], list[tuple[str, Callable[[], None]]]] = {
             (Phase.ROLLOUT, Phase.TRAIN): [("offload", lambda: self._engines("release_memory", WEIGHTS + CACHE)),
-                                           ("onload", self.trainer.onload)],
+                                           ("barrier", barrier), ("onload", self.trainer.onload)],
             (Phase.TRAIN, Phase.SYNC): [("onload", lambda: self._engines("resume_memory", WEIGHTS))],
-            (Phase.SYNC, Phase.ROLLOUT): [("offload", self.trainer.offload),
+            (Phase.SYNC, Phase.ROLLOUT): [("offload", self.trainer.offload), ("barrier", barrier),
                                           ("onload", lambda: self._engines("resume_memory", CACHE))],
         }
 

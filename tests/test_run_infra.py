@@ -67,16 +67,20 @@ class _Recorder:
 def test_phase_machine_follows_the_handoff_table():
     calls: list[str] = []
     timeline = Timeline(rank=0)
-    machine = PhaseMachine(_Recorder(calls), lambda: [_Recorder(calls)], timeline)
+    machine = PhaseMachine(_Recorder(calls), lambda: [_Recorder(calls)], timeline,
+                           barrier=lambda: calls.append("barrier"))
     for phase in (Phase.SYNC, Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC):
         machine.to(phase)
+    # The engine's ranks meet between the trainer's offload and the engine's resume, and between the
+    # engine's release and the trainer's onload (review L4: a TP>1 engine's leader acts on every
+    # rank's device).
     assert calls == [
         "engine.resume('weights',)",
-        "trainer.offload", "engine.resume('kv_cache', 'cuda_graph')",
-        "engine.release('weights', 'kv_cache', 'cuda_graph')", "trainer.onload",
+        "trainer.offload", "barrier", "engine.resume('kv_cache', 'cuda_graph')",
+        "engine.release('weights', 'kv_cache', 'cuda_graph')", "barrier", "trainer.onload",
         "engine.resume('weights',)",
     ]
-    assert {s.phase for s in timeline.spans} == {"offload", "onload"}
+    assert {s.phase for s in timeline.spans} == {"offload", "barrier", "onload"}
     assert any(k.startswith("handoff/rollout_to_train/") for k in machine.pop_seconds())
     with pytest.raises(PhaseError, match="no hand-off from sync to train"):
         machine.to(Phase.TRAIN)

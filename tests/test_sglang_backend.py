@@ -20,9 +20,10 @@ from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RENDEZVOUS_PORTS, SGLANG_PORT_SPAN, RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.sglang_args import engine_ports, server_args
-from rollpacker.rollout.sglang_backend import (AGENT_STORE_ENV, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
-                                               SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION,
-                                               WeightSyncError, sampling_params, weight_buckets)
+from rollpacker.rollout.sglang_api import (AGENT_STORE_ENV, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
+                                           SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION, WeightSyncError,
+                                           sampling_params)
+from rollpacker.rollout.sglang_backend import host_env, weight_buckets
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -132,6 +133,11 @@ def _engine(**cfg):
                        sglang_engine_cls=RecordingEngine)
 
 
+def double(engine) -> RecordingEngine:
+    """The double behind an engine built with ``sglang_engine_cls`` (its driver runs in this process)."""
+    return engine._host.driver.engine
+
+
 def _drain(engine, timeout=5.0) -> dict:
     out = {}
     while engine.active_request_ids():
@@ -148,13 +154,12 @@ def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
     assert (args["tp_size"], args["base_gpu_id"], args["random_seed"]) == (2, 1, 6)
     assert args["enable_memory_saver"] is True and args["mem_fraction_static"] == 0.6
     engine = _engine()
-    assert engine._engine.kwargs["base_gpu_id"] == 2  # from device="cuda:2"
-    assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert double(engine).kwargs["base_gpu_id"] == 2  # from device="cuda:2"
     monkeypatch.setenv("LOCAL_RANK", "3")
     by_local_rank = make_engine(RolloutConfig(backend="sglang"), "/m", device="cuda",
                                 sglang_engine_cls=RecordingEngine)
-    assert by_local_rank._engine.kwargs["base_gpu_id"] == 3
-    assert by_local_rank._engine.kwargs["port"] == engine_ports(30000, 3, 1)[0]
+    assert double(by_local_rank).kwargs["base_gpu_id"] == 3
+    assert double(by_local_rank).kwargs["port"] == engine_ports(30000, 3, 1)[0]
 
 
 def test_server_args_on_cpu_are_sglangs_plain_torch_path():
@@ -172,7 +177,7 @@ def test_server_args_on_cpu_are_sglangs_plain_torch_path():
     gpu = server_args("/m", cfg, tp_size=1, local_rank=0, gpu_id=0, engine_id=0)
     assert "device" not in gpu and "max_total_tokens" not in gpu and "dtype" not in gpu
     on_cpu = make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu", sglang_engine_cls=RecordingEngine)
-    assert on_cpu._engine.kwargs["device"] == "cpu" and "base_gpu_id" not in on_cpu._engine.kwargs
+    assert double(on_cpu).kwargs["device"] == "cpu" and "base_gpu_id" not in double(on_cpu).kwargs
     with pytest.raises(ValueError, match="cuda or cpu"):
         server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=0, device="meta")
 
@@ -207,12 +212,14 @@ def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():
         engine_ports(30000, 16, 1)
 
 
-def test_engine_processes_do_not_inherit_torchruns_agent_store_flag(monkeypatch):
-    """Review C2: hidden while sglang spawns its processes, restored for the trainer afterwards."""
+def test_engine_host_env_drops_torchruns_agent_store_flag_and_sets_sglangs(monkeypatch):
+    """The engine host (and so sglang's schedulers) must not inherit TORCHELASTIC_USE_AGENT_STORE
+    (review C2); the rank keeps it. The host also gets SGLANG_ENV and the CPU engine's variables."""
     monkeypatch.setenv(AGENT_STORE_ENV, "True")
-    engine = _engine()
-    assert AGENT_STORE_ENV not in engine._engine.env_at_start
-    assert os.environ[AGENT_STORE_ENV] == "True"
+    env = host_env({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+    assert AGENT_STORE_ENV not in env and os.environ[AGENT_STORE_ENV] == "True"
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1" and env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert str(Path(__file__).resolve().parents[1]) in env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_requests_translate_both_ways_and_complete():
@@ -227,7 +234,7 @@ def test_requests_translate_both_ways_and_complete():
     assert done["a"].logprobs == pytest.approx([-0.7, -0.8, -0.9, -1.0, -1.1])
     assert done["b"].output_ids == [9, 10, 11, 12, 13, 14] and done["b"].finish_reason == "stop"
     assert done["a"].engine_id == 3
-    sent = {c[1]["rid"]: c[1] for c in engine._engine.calls if c[0] == "async_generate"}
+    sent = {c[1]["rid"]: c[1] for c in double(engine).calls if c[0] == "async_generate"}
     assert sent["a"]["return_logprob"] is True and sent["a"]["input_ids"] == [1, 2, 3]
     assert sent["a"]["sampling_params"] == dict(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=5,
                                                 stop_token_ids=[], ignore_eos=True)
@@ -249,7 +256,7 @@ def test_abort_reaches_the_tokenizer_manager_and_the_request_never_completes():
     assert engine.active_request_ids() == ["held2"]
     engine.abort_all()
     assert engine.active_request_ids() == [] and engine.poll(0.2) == []
-    aborts = [c[1] for c in engine._engine.calls if c[0] == "abort_request"]
+    aborts = [c[1] for c in double(engine).calls if c[0] == "abort_request"]
     assert aborts == [dict(rid="held", abort_all=False), dict(rid="", abort_all=True)]
 
 
@@ -261,25 +268,25 @@ def test_weights_are_pushed_in_bounded_buckets_and_the_last_flushes():
     engine.submit([GenerationRequest("x", [1], SamplingParams(max_new_tokens=1))])
     _drain(engine)  # the background loop ran: the synchronous update must pause it
     engine.update_weights(iter(named))
-    pushes = [c[1] for c in engine._engine.calls if c[0] == "update_weights_from_tensor"]
+    pushes = [c[1] for c in double(engine).calls if c[0] == "update_weights_from_tensor"]
     assert [p["names"] for p in pushes] == [["w0", "w1", "w2"], ["w3", "w4", "w5"], ["w6"], ["big"], ["tail"]]
     assert [p["flush_cache"] for p in pushes] == [False] * 4 + [True]
-    session = [c[0] for c in engine._engine.calls if "weight" in c[0]]
+    session = [c[0] for c in double(engine).calls if "weight" in c[0]]
     assert session == ["begin_weight_update", *["update_weights_from_tensor"] * 5, "end_weight_update"]
 
 
 def test_a_refused_weight_push_raises_naming_engine_and_tensors_and_closes_the_session():
     engine = _engine(weight_bucket_mb=1)
     mb = torch.zeros(1 << 18)
-    engine._engine.refuse = {"layers.1.w"}
+    double(engine).refuse = {"layers.1.w"}
     with pytest.raises(WeightSyncError, match=r"engine 3: .*update_weights_from_tensor.*'layers\.1\.w'.*cannot load"):
         engine.update_weights([("layers.0.w", mb), ("layers.1.w", mb), ("layers.2.w", mb)])
-    calls = [c[0] for c in engine._engine.calls if "weight" in c[0]]
+    calls = [c[0] for c in double(engine).calls if "weight" in c[0]]
     assert calls == ["begin_weight_update", "update_weights_from_tensor", "update_weights_from_tensor",
                      "end_weight_update"]  # stopped at the refusal, and the session was closed
-    engine._engine.refuse = set()
+    double(engine).refuse = set()
     engine.update_weights([("layers.0.w", mb)])  # a later sync opens a fresh session
-    engine._engine.in_session = True  # an engine whose session is stuck open refuses begin
+    double(engine).in_session = True  # an engine whose session is stuck open refuses begin
     with pytest.raises(WeightSyncError, match="engine 3: .*begin_weight_update.*already open"):
         engine.update_weights([("layers.0.w", mb)])
 
@@ -294,11 +301,12 @@ def test_memory_release_and_resume_by_tag_need_an_idle_engine():
     engine.resume_memory(["weights"])
     with pytest.raises(ValueError, match="unknown memory tags"):
         engine.release_memory(["kv"])
-    memory = [c for c in engine._engine.calls if c[0].endswith("_occupation")]
+    memory = [c for c in double(engine).calls if c[0].endswith("_occupation")]
     assert memory == [("release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
                       ("resume_memory_occupation", {"tags": ["weights"]})]
+    recorder = double(engine)
     engine.shutdown()
-    assert engine._engine.calls[-1][0] == "shutdown"
+    assert recorder.calls[-1][0] == "shutdown"
 
 
 def test_memory_is_released_only_once_aborted_requests_have_come_back():
@@ -308,7 +316,7 @@ def test_memory_is_released_only_once_aborted_requests_have_come_back():
     engine.release_memory(["kv_cache"])  # the double asserts like sglang if any is still held
     engine.resume_memory(["kv_cache"])
     assert engine.poll(0.1) == [] and engine.stats().running == 0
-    engine._engine.ignore_aborts = {"stuck"}
+    double(engine).ignore_aborts = {"stuck"}
     engine.submit([GenerationRequest("stuck", [1], SamplingParams(max_new_tokens=HOLD))])
     engine.abort(["stuck"])
     with pytest.raises(TimeoutError, match=r"engine 3: sglang has not returned requests \['stuck'\]"):
@@ -325,12 +333,25 @@ def test_bad_requests_are_refused_by_name():
     assert list(_drain(engine)) == ["ok"]
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_name():
+    """With the checkpoint's config.json at hand, prompt or stop ids outside its vocab_size (297 for the
+    shipped policy) never reach sglang, whose embedding lookup would fail for the whole batch."""
+    policy = Path(__file__).resolve().parents[1] / "assets" / "policy"
+    engine = make_engine(RolloutConfig(backend="sglang"), policy, device="cpu", sglang_engine_cls=RecordingEngine)
+    outside = r"'big': token ids \[297, -1, 300\] outside the model's vocabulary \[0, 297\)"
+    with pytest.raises(RequestError, match=outside):
+        engine.submit([GenerationRequest("big", [3, 297, -1], SamplingParams(max_new_tokens=2, stop_token_ids=(300,))),
+                       GenerationRequest("ok", [296], SamplingParams(max_new_tokens=1))])
+    assert list(_drain(engine)) == ["ok"]
+    assert [c[1]["rid"] for c in double(engine).calls if c[0] == "async_generate"] == ["ok"]
+
+
 def test_sglang_is_imported_only_when_selected():
     _engine()
     assert "sglang" not in sys.modules  # neither the package import nor the double pulled it in
-    if importlib.util.find_spec("sglang") is None:  # CPU machines: the import happens in the constructor
-        with pytest.raises(ModuleNotFoundError, match="sglang"):
-            make_engine(RolloutConfig(backend="sglang"), "/m")
+    if importlib.util.find_spec("sglang") is None:  # here: the engine host process imports it and says so
+        with pytest.raises(RuntimeError, match="did not start: ModuleNotFoundError.*sglang"):
+            make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu")
 
 
 # ---- contract with the pinned release -----------------------------------------------------------
@@ -440,7 +461,7 @@ def test_evict_hands_back_partial_requests_and_resume_continues_them():
     engine.submit([GenerationRequest("cont", [2], SamplingParams(max_new_tokens=6), resume_ids=(5, 6),
                                      resume_logprobs=(-1.0, -2.0))])
     (done,) = _drain(engine).values()
-    call = [c[1] for c in engine._engine.calls if c[0] == "async_generate"][-1]
+    call = [c[1] for c in double(engine).calls if c[0] == "async_generate"][-1]
     assert call["input_ids"] == [2, 5, 6] and call["sampling_params"]["max_new_tokens"] == 4
     assert done.output_ids[:2] == [5, 6] and done.logprobs[:2] == [-1.0, -2.0] and len(done.output_ids) == 6
     with pytest.raises(RequestError, match="resumes 2 tokens with 1 log-probs"):

@@ -6,7 +6,10 @@ never skipped: if the venv cannot be built, the test fails with pip's reason.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
 CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "engine_checks.py"
+HOST_CHECKS = CHECKS.with_name("host_checks.py")
 POLICY = REPO / "assets" / "policy"
 TIMEOUT_S = 300
 
@@ -76,6 +80,27 @@ def test_backend_on_real_engine_under_torchrun(sglang_venv_python):
                             "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers"}
 
 
+def test_engine_hosts_on_real_engines(sglang_venv_python):
+    """One engine host process per engine, under torchrun with 2 ranks: rank 0 leads a TP-1 and a TP-2
+    engine. Both take a weight push and then generate what transformers does with those weights (L2);
+    the TP-2 engine's shutdown ends its processes and spares the rank's other children (L9); SIGTERM
+    to the rank and its engine host reaches our handler and the engine keeps serving (L8); a killed
+    sglang scheduler makes poll(None) raise EngineDiedError instead of waiting forever."""
+    cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HOST_CHECKS), str(POLICY), str(free_base_port(1, 2, local_ranks=2))]
+    proc = run_in_venv(cmd, "host_checks.py", TIMEOUT_S + 120)
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith("VERDICT ")]
+    assert verdicts, f"host_checks.py printed no verdict (exit {proc.returncode}):\n{proc.stdout[-6000:]}"
+    verdict = json.loads(verdicts[-1].removeprefix("VERDICT "))
+    assert "crashed" not in verdict, f"{verdict['crashed']}\n--- output ---\n{proc.stdout[-4000:]}"
+    assert_all_true({k: v for k, v in verdict.items() if k != "seconds_to_notice_death"})
+    assert set(verdict) >= {"one_engine_per_process", "tp1_greedy_after_push_matches_transformers",
+                            "tp2_greedy_after_push_matches_transformers", "shutdown_ends_the_engines_processes",
+                            "shutdown_spares_the_ranks_other_children", "sigterm_reaches_our_handler",
+                            "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging"}
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
 GEN_PROMPTS = ({"prompt": "The capital of France is"}, {"prompt": "1 + 1 ="}, {"input_ids": [20, 21, 22, 40]})
 GEN_TOKENS = 16
 
@@ -98,8 +123,8 @@ def transformers_greedy(rows, new_tokens: int) -> list[list[int]]:
     return outs
 
 
-def free_base_port(tp: int, local_ranks: int = 1) -> int:
-    """An ``sglang_base_port`` the config accepts whose TP-``tp`` engine ports of local ranks
+def free_base_port(*tps: int, local_ranks: int = 1) -> int:
+    """An ``sglang_base_port`` the config accepts whose engine ports of TP sizes ``tps`` for local ranks
     ``0..local_ranks-1`` are free (concurrent runs on one machine must not collide on the default)."""
     import socket
 
@@ -113,7 +138,7 @@ def free_base_port(tp: int, local_ranks: int = 1) -> int:
             base = s.getsockname()[1]
         try:
             RolloutConfig(backend="sglang", sglang_base_port=base).validate()
-            for port in [p for rank in range(local_ranks) for p in engine_ports(base, rank, tp)]:
+            for port in [p for rank in range(local_ranks) for tp in tps for p in engine_ports(base, rank, tp)]:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
         except (ConfigError, OSError):
@@ -143,28 +168,84 @@ def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_pyth
     assert all(len(r["logprobs"]) == GEN_TOKENS and all(lp <= 0 for lp in r["logprobs"]) for r in rows)
 
 
-PROGRAM_STEPS = 3
-PROGRAM_TIMEOUT_S = 600
+PROGRAM_STEPS = 5
+PROGRAM_TIMEOUT_S = 900
+# As tests/test_train_program.py's runs: 4 prompts x 4 responses, a long round every 5th step; no
+# profile rows, so the planner keeps short rounds on two TP-1 engines and regroups the long round to
+# one TP-2 engine over both ranks (rank 0 then leads engines of both TP sizes, each in its own host).
+PROGRAM_ARGS = ["--config", "configs/tiny-cpu.yaml", "rollout.backend=sglang", "scheduler.p0=4", "scheduler.r0=4",
+                "rollout.max_response_length=384", "reward.num_workers=1", "scheduler.planner.profile=[]",
+                f"run.steps={PROGRAM_STEPS}", "run.save_every=2", "run.keep_checkpoints=10", "run.wandb=disabled"]
 
 
-def test_training_program_on_real_engine(sglang_venv_python, tmp_path):
-    """The whole program on SGLang: ``torchrun --nproc_per_node 2 -m rollpacker.train`` on the tiny CPU
-    config with ``rollout.backend=sglang``, planner off (one TP-1 engine per rank: sglang keeps one
-    live engine per process). Three steps complete with their metrics; the rollout ran on sglang's CPU
-    engine, and the trainer's log-probs of what it generated agree with the engine's (so the weight
-    sync of every step reached the engine: stale weights would show here after step 1)."""
-    out = tmp_path / "run"
-    cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml", "rollout.backend=sglang",
-           f"rollout.sglang_base_port={free_base_port(1, local_ranks=2)}", "scheduler.planner.enabled=false",
-           f"run.steps={PROGRAM_STEPS}", "run.wandb=disabled", f"run.output_dir={out}"]
-    proc = run_in_venv(cmd, "rollpacker.train on sglang", PROGRAM_TIMEOUT_S)
+def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang_venv_python, tmp_path):
+    """The whole program on SGLang, ``torchrun --nproc_per_node 2 -m rollpacker.train`` on the tiny CPU
+    config with ``rollout.backend=sglang``, as launch/train.sh starts it (c10d rendezvous):
+    - a rank is killed with SIGKILL once the step-2 checkpoint is complete; the same command then
+      resumes, and the ledger shows every prompt of the 5 steps trained exactly once;
+    - short rounds ran on two TP-1 engines and the long round (step 5) on one TP-2 engine;
+    - the trainer's log-probs of what the engine generated agree with the engine's every step, so each
+      step's weight sync reached the engine that served the round (stale weights would show at once)."""
+    from rollpacker.runtime.ledger import read_ledger
+
+    out = tmp_path / "runs"
+    run_dir = out / "sglang"
+
+    def command(base_port: int) -> list[str]:
+        return [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "rollpacker.train", *PROGRAM_ARGS, f"run.output_dir={out}", "run.name=sglang",
+                f"rollout.sglang_base_port={base_port}"]
+
+    first = subprocess.Popen(command(free_base_port(1, 2, local_ranks=2)), env=engine_env(), cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    deadline = time.monotonic() + PROGRAM_TIMEOUT_S
+    while time.monotonic() < deadline and not marker.exists() and first.poll() is None:
+        time.sleep(0.05)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    if not (marker.exists() and workers):
+        first.kill()
+        pytest.fail(f"no step 3 to kill:\n{first.communicate()[0].decode()[-6000:]}")
+    os.kill(workers[-1], signal.SIGKILL)
+    output = first.communicate(timeout=300)[0].decode()
+    assert first.returncode != 0, output[-3000:]
+    assert "server_args={" in output and "'device': 'cpu'" in output, "no sglang engine was started"
+
+    proc = run_in_venv(command(free_base_port(1, 2, local_ranks=2)), "rollpacker.train on sglang (resumed)",
+                       PROGRAM_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-8000:]
-    assert "server_args={" in proc.stdout and "'device': 'cpu'" in proc.stdout, "no sglang engine was started"
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, PROGRAM_STEPS + 1))
-    for m in metrics:
+    trained, filtered = read_ledger(run_dir / "ledger.jsonl")
+    assert max(trained.values()) == 1 and not filtered and len(trained) == PROGRAM_STEPS * 4
+    metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(metrics) == list(range(1, PROGRAM_STEPS + 1))
+    assert {(m["round"], m["rollout_tp"]) for m in metrics.values()} == {("short", 1), ("long", 2)}
+    for m in metrics.values():
         assert m["generated_tokens"] > 0 and m["train/sequences"] > 0 and m["sync/bytes"] > 0
         assert m["train/logprob_mismatch"] < 1e-4, m
     assert (run_dir / "checkpoints" / f"step_{PROGRAM_STEPS:08d}" / "COMPLETE").exists()
+
+
+def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(sglang_venv_python, tmp_path):
+    """The shipped planner profile keeps two TP-1 engines in the long round (step 5), so the stream
+    trainer's hand-off can fire on SGLang: it needs the engines' KV capacity and load (review L6: with
+    a capacity of 0 it never fired). Rank 1's engine leaves mid-round, its running requests continue on
+    rank 0's engine from their tokens so far (sglang continues them by prefill; the continuation is a
+    fresh sample, see sglang_backend), rank 1 trains the groups handed to it, and the log-probs the
+    trainer computes for every step's samples, migrated ones included, agree with the engine's."""
+    out = tmp_path / "runs"
+    args = [a for a in PROGRAM_ARGS if a != "scheduler.planner.profile=[]"]
+    cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "rollpacker.train", *args, "run.save_every=0", f"run.output_dir={out}", "run.name=stream",
+           f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}"]
+    proc = run_in_venv(cmd, "rollpacker.train on sglang (stream)", PROGRAM_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-8000:]
+    rows = [json.loads(line) for line in (out / "stream" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, PROGRAM_STEPS + 1))
+    (long,) = [r for r in rows if r["round"] == "long"]
+    assert {r["rollout_tp"] for r in rows} == {1}
+    assert 0.2 <= long["handoff_fraction"] <= 0.5
+    assert long["migrated_requests"] > 0 and long["streamed_groups"] > 0
+    assert long["groups"] == 4 and long["responses_kept"] == 16
+    for r in rows:
+        assert r["train/logprob_mismatch"] < 1e-4, r

@@ -38,6 +38,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.request_ids = tuple(request_ids)
 
+    def __reduce__(self):  # crosses process boundaries (the SGLang engine host) with its request ids
+        return type(self), (str(self), self.request_ids)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -47,6 +47,12 @@ class EngineSets:
         """The engine the phase machine resumes and releases: this rank's one in the current layout."""
         return [self.active]
 
+    def device_barrier(self) -> None:
+        """Wait for the other ranks of the awake engine: they share the devices whose engine memory its
+        leader releases and resumes (the phase machine's ``barrier``)."""
+        if self.layout.control is not None:
+            dist.barrier(group=self.layout.control)
+
     def select(self, tp: int) -> None:
         """Choose the set for the next round; only while every set is released (TRAIN phase)."""
         if tp not in self.engines:

@@ -70,7 +70,7 @@ class RolloutPhase:
             if layout.is_leader:
                 engine.stop_followers()
             box = [reason]  # followers learn from their leader whether the round ended or they train
-            dist.broadcast_object_list(box, src=layout.leader, group=layout.group)
+            dist.broadcast_object_list(box, src=layout.leader, group=layout.control)
             reason = box[0]
         return result, reason == TO_TRAINING
 

@@ -48,7 +48,8 @@ class Run:
         self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes)
         layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, seed=cfg.run.seed)
         self.trainer = Trainer(cfg.trainer, cfg.model.path, layout)
-        self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline)
+        self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline,
+                                   barrier=self.engines.device_barrier)
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints, group=world.control)
         self.ckpt.install_sigterm_handler()
         self.coordinator = world.rank == 0

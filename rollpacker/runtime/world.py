@@ -36,6 +36,7 @@ class RolloutLayout:
     leader: int  # global rank of that engine's leader
     members: tuple[int, ...]  # global ranks of that engine, leader first
     group: dist.ProcessGroup | None  # the engine's TP group (None at tp=1)
+    control: dist.ProcessGroup | None  # the same ranks over gloo, for host-side waits (None at tp=1)
     leaders: tuple[int, ...]  # leader rank of every engine, by engine id
 
     @property
@@ -82,12 +83,16 @@ class World:
             blocks = [tuple(range(start, start + tp)) for start in range(0, self.size, tp)]
             mine = None
             for engine_id, block in enumerate(blocks):
-                group = dist.new_group(list(block)) if tp > 1 else None  # every rank joins every new_group call
+                # every rank joins every new_group call
+                group = dist.new_group(list(block)) if tp > 1 else None
+                # Followers wait here for a whole round (review L7): over gloo, with an explicit timeout,
+                # not in an NCCL kernel spinning on a GPU the engine uses, under NCCL's 10-minute watchdog.
+                control = dist.new_group(list(block), backend="gloo", timeout=CONTROL_TIMEOUT) if tp > 1 else None
                 if self.rank in block:
-                    mine = (engine_id, block, group)
-            engine_id, block, group = mine
+                    mine = (engine_id, block, group, control)
+            engine_id, block, group, control = mine
             self.rollout[tp] = RolloutLayout(tp=tp, engine_id=engine_id, leader=block[0], members=block,
-                                             group=group, leaders=tuple(b[0] for b in blocks))
+                                             group=group, control=control, leaders=tuple(b[0] for b in blocks))
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -177,8 +177,7 @@ def check_backend(model_dir: Path, new_weights, prompts, want_before, want_after
 def refusal_surfaces(eng, new_weights) -> bool | str:
     """A real refusal reaches the caller: with a session already open (here, opened behind the
     backend's back), sglang answers begin_weight_update with (False, "...already open")."""
-    with eng._paused():  # sglang's synchronous calls drive the loop the backend's thread runs
-        eng._engine.begin_weight_update()
+    eng._host.call("begin_weights")
     try:
         eng.update_weights(iter(new_weights))
         return "update_weights returned although sglang refused to open the session"
@@ -186,8 +185,7 @@ def refusal_surfaces(eng, new_weights) -> bool | str:
         text = str(exc)
         return True if "engine 0" in text and "already open" in text else f"raised {exc!r}"
     finally:
-        with eng._paused():
-            eng._engine.end_weight_update()
+        eng._host.call("close_weights")
 
 
 def main(mode: str, model_dir: Path) -> dict:
