@@ -85,6 +85,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) -> None:
     """Refuse layouts that cannot run on ``world_size`` ranks, naming the key and the fix."""
     src, t = cfg.source, cfg.trainer
+    if cfg.run.verify_sync and cfg.rollout.backend == "sglang":
+        # sglang 0.5.23 reads weights back only through the model's get_weights_by_name, which its Qwen
+        # models lack (model_runner_components/weight_exporter.py: "TODO: Add support for Qwen models").
+        raise ConfigError(
+            f"{src}: run.verify_sync=true needs an engine that can read its weights back, which "
+            "rollout.backend=sglang cannot; set run.verify_sync=false (the trainer's train/logprob_mismatch "
+            "against the engine's log-probs shows a weight sync that did not land)")
     model_parallel = t.tp * t.pp * t.cp
     if world_size % model_parallel:
         raise ConfigError(

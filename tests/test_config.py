@@ -79,6 +79,12 @@ def test_heads_not_divisible_by_tp(model_dir):
         check_layout(cfg, 4)
 
 
+def test_verify_sync_is_refused_with_an_engine_that_cannot_read_weights_back(model_dir):
+    cfg = _cfg(model_dir, "run.verify_sync=true", "rollout.backend=sglang")
+    with pytest.raises(ConfigError, match=r"run.verify_sync=true needs an engine that can read its weights back"):
+        check_layout(cfg, 2)
+
+
 def test_batch_not_divisible_by_dp(model_dir):
     cfg = _cfg(model_dir, "scheduler.p0=3", "scheduler.r0=3")
     with pytest.raises(ConfigError, match=r"scheduler.p0\*scheduler.r0 = 9 is not divisible by the data-parallel size 2"):
