@@ -17,7 +17,8 @@ CPU). Checks, each recorded with its figures and verdict even when another fails
   loss falling over a few steps, offload/onload moving the bytes they claim, optimizer state
   save/load continuing exactly; tokens/s and MFU on the 0.5B shape;
 * rollout: the reference engine's greedy parity on the device, its tokens/s at batch 1-256 on the
-  0.5B shape, trainer -> engine weight-sync seconds;
+  0.5B shape, trainer -> engine weight-sync seconds, and the SGLang backend's weight push into an
+  engine host process (CUDA IPC) arriving bit for bit;
 * the program end to end on one rank (the shipped policy and example): baseline and tail batching
   back to back, seconds per step and their ratio.
 
@@ -177,6 +178,7 @@ def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
+        f"{big.name}/host_weight_transport": lambda: rollout.check_host_weight_transport(big),
         "program/baseline_vs_tail_batching": lambda: rollout.check_program(
             device, work, sizes.program_steps, sizes.program_timeout_s)})
     return checks
@@ -187,7 +189,8 @@ def check_names(device: torch.device) -> list[str]:
     per_subject = ["logprob_parity", "gradient_parity", "loss_falls", "offload_and_optimizer_state",
                    "engine_greedy_parity"]
     return ([f"{name}/{c}" for name in ("policy", sizes.shape_name) for c in per_subject]
-            + [f"{sizes.shape_name}/{c}" for c in ("trainer_throughput", "engine_throughput", "weight_sync")]
+            + [f"{sizes.shape_name}/{c}" for c in ("trainer_throughput", "engine_throughput", "weight_sync",
+                                                   "host_weight_transport")]
             + ["program/baseline_vs_tail_batching"])
 
 

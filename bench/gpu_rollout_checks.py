@@ -87,6 +87,46 @@ def check_engine_throughput(subject: Subject, batches: list[int], new_tokens: in
             "ok": all(r["new_tokens"] == r["batch"] * new_tokens for r in rows)}
 
 
+# The engine host's side of a weight push (rollpacker.rollout.sglang_host): unpickle each bucket and take
+# it into the host's own memory, then report a bitwise checksum per tensor.
+_HOST_SIDE = """
+import json, pickle, struct, sys
+from rollpacker.rollout.sglang_host import _own
+out = {}
+while (head := sys.stdin.buffer.read(8)):
+    bucket = _own(pickle.loads(sys.stdin.buffer.read(struct.unpack("<Q", head)[0])))
+    out.update((n, int(t.contiguous().view(-1).view(__import__("torch").uint8).long().sum())) for n, t in bucket)
+print(json.dumps(out))
+"""
+
+
+def check_host_weight_transport(subject: Subject) -> dict[str, Any]:
+    """The SGLang backend's weight push to an engine host process (a process it starts itself, not one
+    multiprocessing spawned): buckets packed by ``pack_bucket`` (CUDA IPC handles on a GPU, bytes on
+    CPU), unpickled and copied by the host's own code; every tensor arrives bit for bit."""
+    from rollpacker.rollout.sglang_backend import pack_bucket, weight_buckets
+
+    trainer = Trainer(trainer_config(subject), subject.model_dir, subject.layout)
+    tensors = list(trainer.iter_hf_tensors())
+    sent = {n: int(t.contiguous().view(-1).view(torch.uint8).long().sum()) for n, t in tensors}
+    host = subprocess.Popen([sys.executable, "-c", _HOST_SIDE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            cwd=REPO, start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    t0 = time.perf_counter()
+    buckets = 0
+    for bucket in weight_buckets(tensors, RolloutConfig().weight_bucket_mb << 20):
+        payload = pack_bucket(bucket)
+        host.stdin.write(len(payload).to_bytes(8, "little") + payload)
+        host.stdin.flush()
+        buckets += 1
+    host.stdin.close()
+    received = json.loads(host.stdout.read())
+    seconds = time.perf_counter() - t0
+    host.wait()
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    return {"tensors": len(tensors), "buckets": buckets, "bytes": nbytes, "seconds": seconds,
+            "ipc": subject.cuda, "ok": received == sent}
+
+
 def check_weight_sync(subject: Subject) -> dict[str, Any]:
     """Trainer -> engine weight sync on the device: seconds, bytes, and exact weights afterwards."""
     trainer = Trainer(trainer_config(subject), subject.model_dir, subject.layout)

@@ -18,7 +18,7 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
     results = json.loads((tmp_path / "acceptance.json").read_text())
     failed = {k: v.get("error") for k, v in results["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:])
-    assert len(results["checks"]) == 14
+    assert len(results["checks"]) == 15
     checks = results["checks"]
     assert checks["policy/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     assert checks["policy/gradient_parity"]["fp32"]["rel_l2_err"] < 1e-6  # CPU against itself: identical
