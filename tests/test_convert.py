@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from megatron_ext import weights
 from megatron_ext.convert import main
-from megatron_ext.qwen2 import build_model, padded_vocab_size
-from rollpacker.hf_qwen2 import parse_spec
+from megatron_ext.model import build_model, padded_vocab_size
+from rollpacker.hf_spec import parse_spec
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.testing import run_torchrun
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)

@@ -11,7 +11,7 @@ import torch
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, RequestError, SamplingParams
-from rollpacker.rollout.qwen2_torch import iter_safetensors
+from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.rollout.reference import ReferenceEngine
 from rollpacker.testing import REPO_ROOT, make_random_qwen2
 
@@ -92,7 +92,7 @@ def _megatron_logprobs(model_dir: Path, prompt: list[int], output: list[int]) ->
     """The trainer's model: Megatron-core GPTModel at TP=1, vocab-parallel log-probs."""
     from megatron_ext.logprobs import token_logprobs
     from megatron_ext.parallel import setup_layout, teardown_layout
-    from megatron_ext.qwen2 import build_model
+    from megatron_ext.model import build_model
     from megatron_ext.weights import load_hf_checkpoint
 
     layout = setup_layout()

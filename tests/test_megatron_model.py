@@ -12,8 +12,8 @@ import torch
 from megatron_ext import weights
 from megatron_ext.convert import verify
 from megatron_ext.parallel import setup_layout, teardown_layout
-from megatron_ext.qwen2 import build_model, padded_vocab_size, transformer_config
-from rollpacker.hf_qwen2 import parse_spec
+from megatron_ext.model import build_model, padded_vocab_size, transformer_config
+from rollpacker.hf_spec import parse_spec
 from tests.dist.megatron_convert_checks import logprob_grad_errors
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
 

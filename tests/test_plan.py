@@ -10,7 +10,7 @@ import torch
 from rollpacker import plan
 from rollpacker.config import load_config
 from rollpacker.configlib import ConfigError
-from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.hf_spec import parse_spec
 from rollpacker.scheduler.config import PlannerConfig
 from rollpacker.testing import REPO_ROOT
 from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
@@ -97,7 +97,7 @@ def test_pipeline_first_stage_holds_every_layer_in_flight():
 
 
 def test_padding_rule_is_megatrons():
-    from megatron_ext.qwen2 import padded_vocab_size
+    from megatron_ext.model import padded_vocab_size
     spec = parse_spec(plan.SHAPES_DIR / "qwen2.5-7b.json")
     for tp in (1, 2, 4, 8):
         assert plan.padded_vocab(spec, tp) == padded_vocab_size(spec, tp)
@@ -217,7 +217,7 @@ def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
 
 
 def test_recompute_reaches_megatron_and_keeps_the_gradients(layout, tmp_path):
-    from megatron_ext.qwen2 import build_model
+    from megatron_ext.model import build_model
     from megatron_ext.weights import load_hf_checkpoint
     from rollpacker.testing import make_random_qwen2
     model_dir = make_random_qwen2(tmp_path / "m")

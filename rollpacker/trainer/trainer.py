@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.qwen2 import build_model
+from megatron_ext.model import build_model
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.sample import Sample
 from rollpacker.trainer.backend import Backend

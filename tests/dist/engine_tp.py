@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
-from rollpacker.rollout.qwen2_torch import iter_safetensors
+from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.rollout.reference import ReferenceEngine
 
 
