@@ -96,7 +96,9 @@ class QwenModel(GPTModel):
 def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torch.dtype = torch.float32,
                 pre_process: bool = True, post_process: bool = True,
                 pg_collection: ProcessGroupCollection | None = None, recompute: bool = False) -> QwenModel:
-    """A randomly initialised model (of a family :func:`rollpacker.hf_spec.parse_spec` accepts) for this rank's TP shard and PP stage.
+    """A randomly initialised model for this rank's TP shard and PP stage.
+
+    ``hf_config``: a config of a family :func:`rollpacker.hf_spec.parse_spec` accepts.
 
     Needs an initialised layout (:func:`megatron_ext.parallel.setup_layout`);
     pass ``pre_process``/``post_process`` for the first/last PP stage and

@@ -1,6 +1,6 @@
 """The training stage as the entry point sees it: one object per rank.
 
-``Trainer`` builds this rank's Megatron Qwen2 shard from an HF directory over
+``Trainer`` builds this rank's Megatron Qwen2/Qwen3 shard from an HF directory over
 an explicit layout, picks the backend for the device (GPU: Megatron DDP +
 distributed optimizer + pipeline schedules; CPU: the project's micro-batch
 loop + torch AdamW) and exposes the step in two shapes that share one code
