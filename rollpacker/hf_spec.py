@@ -110,12 +110,14 @@ class _Family:
     name: str  # for messages
     qkv_bias: bool
     qk_norm: bool
+    default_head_dim: int | None  # when config.json has no head_dim (None: hidden_size / num_attention_heads)
 
 
 # model_type -> family; a model_type not listed here is refused with this list.
 FAMILIES = {
-    "qwen2": _Family("Qwen2/Qwen2.5", qkv_bias=True, qk_norm=False),
-    "qwen3": _Family("Qwen3 dense", qkv_bias=False, qk_norm=True),
+    "qwen2": _Family("Qwen2/Qwen2.5", qkv_bias=True, qk_norm=False, default_head_dim=None),
+    # transformers' Qwen3Config defaults head_dim to 128 whatever the hidden size
+    "qwen3": _Family("Qwen3 dense", qkv_bias=False, qk_norm=True, default_head_dim=128),
 }
 
 
@@ -146,7 +148,8 @@ def parse_spec(hf_config: Mapping[str, Any] | str | Path) -> ModelSpec:
         model_type=cfg["model_type"],
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=float(cfg["rms_norm_eps"]),
+        head_dim=cfg.get("head_dim") or family.default_head_dim or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=_rope_theta(cfg, where), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         initializer_range=cfg.get("initializer_range", 0.02),

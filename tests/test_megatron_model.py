@@ -4,6 +4,7 @@ TP=2 and PP=2 run under torchrun in tests/test_convert.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -38,14 +39,22 @@ def test_qwen3_model_has_per_head_qk_norms_and_no_qkv_bias(ckpts, layout):
     assert params["linear_qkv.weight"].shape == ((4 + 2 * 2) * 32, 64) and "linear_qkv.bias" not in params
 
 
+def test_qwen3_head_dim_defaults_as_transformers_does(ckpts):
+    from transformers import Qwen3Config
+
+    cfg = json.loads((ckpts["qwen3"] / "config.json").read_text())
+    del cfg["head_dim"]
+    assert parse_spec(cfg).head_dim == Qwen3Config(**cfg).head_dim == 128  # not hidden 64 / 4 heads
+
+
 def test_parity_check_catches_swapped_qk_norms(ckpts, layout, monkeypatch):
     real_bindings = weights._bindings
+    other = {"q_norm.weight": "k_norm.weight", "k_norm.weight": "q_norm.weight"}
+    cut = len("q_norm.weight")
 
     def swapped(model):
-        names = {"q_norm": "k_norm", "k_norm": "q_norm"}
-        return [weights._Binding(b.param, b.kind, tuple(
-            n.replace(n.split(".")[-2], names.get(n.split(".")[-2], n.split(".")[-2])) for n in b.hf_names), b.export)
-            for b in real_bindings(model)]
+        return [dataclasses.replace(b, hf_names=(b.hf_names[0][:-cut] + other[b.hf_names[0][-cut:]],))
+                if b.hf_names[0][-cut:] in other else b for b in real_bindings(model)]
 
     monkeypatch.setattr(weights, "_bindings", swapped)
     assert verify(ckpts["qwen3"], layout).logprob_diff > 1e-3
