@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bench.gpu_trainer_checks import Subject, trainer_config
-from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.hf_spec import parse_spec
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_ext.parallel import ParallelLayout
-from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.hf_spec import parse_spec
 from rollpacker.sample import Prompt, Sample
 from rollpacker.trainer.backend import logprobs_only, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig

@@ -13,7 +13,7 @@ import torch
 from bench.gpu_acceptance import QWEN25_05B
 from bench.gpu_trainer_checks import Subject, trainer_config, make_groups
 from megatron_ext.parallel import setup_layout
-from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.hf_spec import parse_spec
 from rollpacker.sample import Prompt, Sample
 from rollpacker.testing import make_random_qwen2
 from rollpacker.trainer.backend import micro_batch_loss

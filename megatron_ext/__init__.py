@@ -1,1 +1,1 @@
-"""What RollPacker adds to megatron-core: the Qwen2 model, weight conversion, CPU compatibility."""
+"""What RollPacker adds to megatron-core: the Qwen2/Qwen3 model, weight conversion, CPU compatibility."""

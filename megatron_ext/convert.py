@@ -1,4 +1,4 @@
-"""Qwen2 checkpoint conversion and verification CLI.
+"""Qwen2/Qwen3 checkpoint conversion and verification CLI.
 
     python -m megatron_ext.convert --verify HF_DIR [--tp N] [--dtype fp32|bf16]
     python -m megatron_ext.convert hf-to-mcore HF_DIR OUT [--tp N] [--pp M] [--dtype fp32|bf16]
@@ -6,7 +6,7 @@
 
 Run under ``torchrun --nproc_per_node N`` for more than one rank (N = tp*pp).
 
-``--verify`` loads HF_DIR with ``transformers.Qwen2ForCausalLM`` and with
+``--verify`` loads HF_DIR with ``transformers.AutoModelForCausalLM`` and with
 Megatron (TP=N), runs both on a fixed random batch, prints the largest absolute
 difference of per-token log-probs (and entropies) and PASS/FAIL; the exit code
 is 1 on FAIL.
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from megatron_ext.logprobs import token_entropy, token_logprobs
 from megatron_ext.parallel import ParallelLayout, setup_layout, teardown_layout
-from megatron_ext.qwen2 import Qwen2Model, build_model
-from rollpacker.hf_qwen2 import load_hf_config, parse_spec
+from megatron_ext.model import QwenModel, build_model
+from rollpacker.hf_spec import load_hf_config, parse_spec
 from megatron_ext.weights import copy_tokenizer_files, load_hf_checkpoint, save_hf_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -49,7 +49,7 @@ class Parity:
     entropy_diff: float  # max |H_megatron - H_hf|
 
 
-def _build(hf_config: str | Path | dict, layout: ParallelLayout, params_dtype: torch.dtype) -> Qwen2Model:
+def _build(hf_config: str | Path | dict, layout: ParallelLayout, params_dtype: torch.dtype) -> QwenModel:
     return build_model(hf_config, params_dtype=params_dtype, pre_process=layout.is_first_stage,
                        post_process=layout.is_last_stage, pg_collection=layout.pg_collection).to(layout.device)
 
@@ -68,7 +68,7 @@ def verify(hf_dir: str | Path, layout: ParallelLayout, *, params_dtype: torch.dt
     Collective over the layout; the writer rank runs the HF reference and every
     rank returns the same numbers.
     """
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if layout.pp != 1:
         raise ValueError(f"verify runs one forward pass per rank and needs pp=1, got pp={layout.pp}")
@@ -85,7 +85,7 @@ def verify(hf_dir: str | Path, layout: ParallelLayout, *, params_dtype: torch.dt
     del model, logits
     diffs = torch.zeros(2, dtype=torch.float64, device=layout.device)
     if layout.is_writer:
-        hf = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=params_dtype, attn_implementation="eager")
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=params_dtype, attn_implementation="eager")
         log_p = torch.log_softmax(hf.to(layout.device)(ids).logits[:, :-1].float(), dim=-1)
         ref = (log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(log_p.exp() * log_p).sum(-1))
         diffs = torch.stack([(a - b).abs().max().double() for a, b in zip(ours, ref)])

@@ -1,4 +1,4 @@
-"""Qwen2 weights between HF safetensors and a TP-sharded, PP-staged Megatron model.
+"""Qwen2/Qwen3 weights between HF safetensors and a TP-sharded, PP-staged Megatron model.
 
 Megatron fuses and shards tensors differently from HF:
 
@@ -8,6 +8,8 @@ Megatron fuses and shards tensors differently from HF:
 * ``linear_fc1`` is ``[gate; up]`` per rank: rank r holds
   ``[gate rows of r; up rows of r]``, so the full tensor is not ``[gate; up]``.
 * ``linear_proj`` / ``linear_fc2`` are row-parallel (split along the input dim).
+* Qwen3's per-head ``q_norm`` / ``k_norm`` are Megatron's ``q_layernorm`` /
+  ``k_layernorm``: one ``head_dim`` vector shared by all heads, replicated.
 * The embedding and output layer are vocab-parallel over the padded
   vocabulary; rows past the HF vocabulary are zero and dropped on export.
 * With tied embeddings the output layer reuses the embedding; under PP the
@@ -31,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.qwen2 import Qwen2Model
-from rollpacker.hf_qwen2 import Qwen2Spec, load_hf_config, parse_spec
+from megatron_ext.model import QwenModel
+from rollpacker.hf_spec import ModelSpec, load_hf_config, parse_spec
 
 # Files copied next to an exported checkpoint when the source directory has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -40,7 +42,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 
 
 class _Kind(Enum):
-    REPLICATED = "replicated"  # norms: every TP rank holds the whole tensor
+    REPLICATED = "replicated"  # norms (q/k norms too): every TP rank holds the whole tensor
     ROW = "row"  # split along dim 1
     VOCAB = "vocab"  # split along dim 0 over the padded vocabulary
     QKV = "qkv"  # fused q/k/v, grouped per KV head, split along dim 0
@@ -55,12 +57,12 @@ class _Binding:
     export: bool = True  # False for the last stage's copy of tied embeddings
 
 
-def unwrap(model: torch.nn.Module) -> Qwen2Model:
-    """The Qwen2Model inside DDP / Float16Module wrappers."""
-    while not isinstance(model, Qwen2Model) and hasattr(model, "module"):
+def unwrap(model: torch.nn.Module) -> QwenModel:
+    """The QwenModel inside DDP / Float16Module wrappers."""
+    while not isinstance(model, QwenModel) and hasattr(model, "module"):
         model = model.module
-    if not isinstance(model, Qwen2Model):
-        raise TypeError(f"expected a model from megatron_ext.qwen2.build_model, got {type(model).__name__}")
+    if not isinstance(model, QwenModel):
+        raise TypeError(f"expected a model from megatron_ext.model.build_model, got {type(model).__name__}")
     return model
 
 
@@ -73,9 +75,10 @@ def _param(module: torch.nn.Module, *names: str) -> torch.Tensor:
     raise KeyError(f"{type(module).__name__} has none of the parameters {names}")
 
 
-def _bindings(model: Qwen2Model) -> list[_Binding]:
+def _bindings(model: QwenModel) -> list[_Binding]:
     """This rank's parameters in export order: embedding, layers by number, final norm, output."""
-    tied = model.hf_spec.tie_word_embeddings
+    spec = model.hf_spec
+    tied = spec.tie_word_embeddings
     out: list[_Binding] = []
     if model.pre_process:
         out.append(_Binding(model.embedding.word_embeddings.weight, _Kind.VOCAB, ("model.embed_tokens.weight",)))
@@ -87,8 +90,16 @@ def _bindings(model: Qwen2Model) -> list[_Binding]:
                      _Kind.REPLICATED, (p + "input_layernorm.weight",)),
             _Binding(_param(layer, "self_attention.linear_qkv.weight"), _Kind.QKV,
                      (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")),
-            _Binding(_param(layer, "self_attention.linear_qkv.bias"), _Kind.QKV,
-                     (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")),
+        ]
+        if spec.qkv_bias:
+            out.append(_Binding(_param(layer, "self_attention.linear_qkv.bias"), _Kind.QKV,
+                                (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias")))
+        if spec.qk_norm:
+            out += [_Binding(_param(layer, "self_attention.q_layernorm.weight"), _Kind.REPLICATED,
+                             (attn + "q_norm.weight",)),
+                    _Binding(_param(layer, "self_attention.k_layernorm.weight"), _Kind.REPLICATED,
+                             (attn + "k_norm.weight",))]
+        out += [
             _Binding(_param(layer, "self_attention.linear_proj.weight"), _Kind.ROW, (attn + "o_proj.weight",)),
             _Binding(_param(layer, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
                      _Kind.REPLICATED, (p + "post_attention_layernorm.weight",)),
@@ -104,7 +115,7 @@ def _bindings(model: Qwen2Model) -> list[_Binding]:
     return out
 
 
-def _shard(b: _Binding, src: list[Any], spec: Qwen2Spec, rank: int, tp: int) -> torch.Tensor:
+def _shard(b: _Binding, src: list[Any], spec: ModelSpec, rank: int, tp: int) -> torch.Tensor:
     """Cut TP rank ``rank``'s shard of ``b`` from its HF tensors.
 
     ``src`` holds, per HF name, anything sliceable like a tensor (a safetensors
@@ -132,7 +143,7 @@ def _shard(b: _Binding, src: list[Any], spec: Qwen2Spec, rank: int, tp: int) -> 
                      dim=1).reshape(-1, *rest)
 
 
-def _unshard(b: _Binding, shards: list[torch.Tensor], spec: Qwen2Spec) -> list[torch.Tensor]:
+def _unshard(b: _Binding, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
     """The full HF tensors of ``b`` from all TP ranks' shards (the inverse of :func:`_shard`)."""
     if b.kind is _Kind.REPLICATED:
         return [shards[0].clone()]
@@ -197,7 +208,7 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path) -> None:
             b.param.copy_(shard)
 
 
-def _gather_tp(b: _Binding, group: dist.ProcessGroup, spec: Qwen2Spec) -> list[torch.Tensor]:
+def _gather_tp(b: _Binding, group: dist.ProcessGroup, spec: ModelSpec) -> list[torch.Tensor]:
     local = b.param.detach()
     if b.kind is _Kind.REPLICATED or group.size() == 1:
         shards = [local]

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 from rollpacker.config import Config, load_config
 from rollpacker.configlib import ConfigError
-from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
+from rollpacker.hf_spec import ModelSpec, parse_spec
 
 GB = 10**9
 DEFAULT_DEVICE_GB = 80.0
@@ -53,10 +53,11 @@ CUDA_CONTEXT_BYTES = 720 * 10**6
 # gradient [tokens, V/tp] (their dtype) plus as many chunks (tests/test_plan.py measures both).
 LOGPROB_CHUNK_TOKENS = 2048
 LOGIT_FP32_COPIES = 2
-VOCAB_MULTIPLE = 128  # megatron_ext.qwen2.padded_vocab_size: rows padded to 128 * tp
+VOCAB_MULTIPLE = 128  # megatron_ext.model.padded_vocab_size: rows padded to 128 * tp
 SHAPES_DIR = Path(__file__).with_name("plan_shapes")
-# Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800): the CLI's default world.
-PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8}
+# Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800; 8 in the planner experiment):
+# the CLI's default world.
+PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8, "qwen3-8b": 1}
 PHASES = ("rollout", "sync", "train")
 GPU, HOST, FREED, ABSENT = "gpu", "host", "freed", "-"
 
@@ -67,24 +68,26 @@ def gb(nbytes: float) -> str:
 
 # ---- model shapes -------------------------------------------------------------------------------
 
-def padded_vocab(spec: Qwen2Spec, tp: int) -> int:
+def padded_vocab(spec: ModelSpec, tp: int) -> int:
     multiple = VOCAB_MULTIPLE * tp
     return math.ceil(spec.vocab_size / multiple) * multiple
 
 
-def hf_param_count(spec: Qwen2Spec) -> int:
+def hf_param_count(spec: ModelSpec) -> int:
     """Parameters of the HF checkpoint (the model card's figure)."""
     return sum(math.prod(shape) for shape in spec.hf_shapes().values())
 
 
-def _layer_weights(spec: Qwen2Spec, tp: int, kv_heads: int) -> int:
+def _layer_weights(spec: ModelSpec, tp: int, kv_heads: int) -> int:
     """One decoder layer on one TP rank holding ``kv_heads`` KV heads; RMSNorm weights are replicated."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_heads * d // tp, kv_heads * d
-    return h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size // tp + 2 * h
+    bias = q + 2 * kv if spec.qkv_bias else 0
+    qk_norm = 2 * d if spec.qk_norm else 0
+    return h * (q + 2 * kv) + bias + q * h + 3 * h * spec.intermediate_size // tp + 2 * h + qk_norm
 
 
-def stage_params(spec: Qwen2Spec, tp: int, pp: int, stage: int) -> int:
+def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
     """Parameters on one GPU of the Megatron trainer's pipeline stage ``stage``."""
     h, rows = spec.hidden_size, padded_vocab(spec, tp) // tp
     n = spec.num_layers // pp * _layer_weights(spec, tp, spec.num_kv_heads // tp)
@@ -112,7 +115,7 @@ class TrainerState:
         return self.params + self.grads + self.optimizer
 
 
-def trainer_state(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str) -> TrainerState:
+def trainer_state(spec: ModelSpec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str) -> TrainerState:
     """megatron-core 0.16.1 with ``grad_reduce_in_fp32=True`` and ``use_distributed_optimizer=True``
     (backend_gpu.py): params in their dtype, an fp32 gradient buffer for every local param, and the
     optimizer's shard over the DP x CP group (DDP reduces over ``dp_cp``): fp32 main params (bf16
@@ -124,7 +127,7 @@ def trainer_state(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, dp_cp: int, 
     return TrainerState(params=FP32 * n, grads=FP32 * n, optimizer=2 * FP32 * shard)
 
 
-def layer_activation_bytes(spec: Qwen2Spec, tp: int, tokens: int, *, te: bool = True) -> int:
+def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, te: bool = True) -> int:
     """bf16 activations one decoder layer keeps for backward, on one TP rank, for ``tokens`` tokens.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -151,7 +154,12 @@ def layer_activation_bytes(spec: Qwen2Spec, tp: int, tokens: int, *, te: bool = 
       Engine's fused norm + linear. Megatron's local layer (``te=False``) runs
       torch's RMSNorm, which keeps two fp32 copies of its input: 20h.
 
-    bytes per token = 8h + (2(a+2g)d + 2(a+g)d + 2ad + 4a + 10f) / t.
+    - Qwen3's q/k norms read Q and K as views of the fused QKV output
+      (already counted) and keep an fp32 1/rms per head, 4(a+g); torch's
+      RMSNorm (``te=False``) keeps two fp32 copies of its input, 8(a+g)d more.
+      This term is derived, not measured.
+
+    bytes per token = 8h + (2(a+2g)d + 2(a+g)d + 2ad + 4a + 10f [+ qk norms]) / t.
 
     Measured on an H100 (torch 2.11, megatron-core 0.16.1, local layer,
     Qwen2.5-7B widths, 4 layers): one layer's saved tensors come to this
@@ -161,10 +169,12 @@ def layer_activation_bytes(spec: Qwen2Spec, tp: int, tokens: int, *, te: bool = 
     """
     h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
     sharded = 2 * (a + 2 * g) * d + 2 * (a + g) * d + 2 * a * d + 4 * a + 10 * f
+    if spec.qk_norm:
+        sharded += 4 * (a + g) + (0 if te else 8 * (a + g) * d)
     return tokens * (8 if te else 20) * h + math.ceil(tokens * sharded / tp)
 
 
-def activation_bytes(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, tokens: int, recompute: bool,
+def activation_bytes(spec: ModelSpec, *, tp: int, pp: int, stage: int, tokens: int, recompute: bool,
                      te: bool = True) -> int:
     """Activations stage ``stage`` keeps at its peak, ``tokens`` per micro-batch on this GPU.
 
@@ -187,7 +197,7 @@ def activation_bytes(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, tokens: i
     return kept
 
 
-def logits_bytes(spec: Qwen2Spec, tp: int, tokens: int) -> int:
+def logits_bytes(spec: ModelSpec, tp: int, tokens: int) -> int:
     """bf16 logits ``[tokens, V/tp]`` and the larger of the log-prob code's forward and backward peaks."""
     cols, chunk = padded_vocab(spec, tp) // tp, min(tokens, LOGPROB_CHUNK_TOKENS)
     forward = LOGIT_FP32_COPIES * chunk * FP32
@@ -209,14 +219,14 @@ class StagePeak:
         return self.state.total + self.activations + self.logits
 
 
-def stage_peak(spec: Qwen2Spec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str, tokens: int,
+def stage_peak(spec: ModelSpec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str, tokens: int,
                recompute: bool, te: bool = True) -> StagePeak:
     return StagePeak(stage, trainer_state(spec, tp=tp, pp=pp, stage=stage, dp_cp=dp_cp, dtype=dtype),
                      activation_bytes(spec, tp=tp, pp=pp, stage=stage, tokens=tokens, recompute=recompute, te=te),
                      logits_bytes(spec, tp, tokens) if stage == pp - 1 else 0)
 
 
-def trainer_peak_bytes(spec: Qwen2Spec, tp: int, micro_batch_tokens: int, recompute: bool = False,
+def trainer_peak_bytes(spec: ModelSpec, tp: int, micro_batch_tokens: int, recompute: bool = False,
                        dtype: str = "bf16", *, pp: int = 1, cp: int = 1, dp: int = 1, te: bool = True) -> int:
     """Predicted ``torch.cuda.max_memory_allocated()`` of one trainer rank (the worst PP stage).
 
@@ -231,7 +241,7 @@ def trainer_peak_bytes(spec: Qwen2Spec, tp: int, micro_batch_tokens: int, recomp
 
 # ---- rollout engines ----------------------------------------------------------------------------
 
-def engine_weight_bytes(spec: Qwen2Spec, tp: int, dtype_bytes: int = BF16) -> int:
+def engine_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int = BF16) -> int:
     """One GPU's shard of an engine's weights; SGLang replicates KV heads when TP exceeds them."""
     h, rows = spec.hidden_size, math.ceil(spec.vocab_size / tp)
     n = spec.num_layers * _layer_weights(spec, tp, max(1, spec.num_kv_heads // tp)) + h + rows * h
@@ -240,7 +250,7 @@ def engine_weight_bytes(spec: Qwen2Spec, tp: int, dtype_bytes: int = BF16) -> in
     return n * dtype_bytes
 
 
-def kv_bytes_per_token(spec: Qwen2Spec, tp: int, dtype_bytes: int = BF16) -> int:
+def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int = BF16) -> int:
     """One GPU's KV cache for one token: K and V of every layer, for its share of the KV heads."""
     return 2 * spec.num_layers * max(1, spec.num_kv_heads // tp) * spec.head_dim * dtype_bytes
 
@@ -313,7 +323,7 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan_memory(cfg: Config, spec: Qwen2Spec, *, world_size: int, device_bytes: int, te: bool = True,
+def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool = True,
                 shape_source: str = "") -> MemoryPlan:
     """The memory plan of ``cfg`` on ``world_size`` GPUs of ``device_bytes`` each; ``te``: the trainer
     runs Transformer Engine's layer (else Megatron's local one, see :func:`layer_activation_bytes`)."""
@@ -447,7 +457,7 @@ def _train_fixes(cfg: Config, worst_stage: Callable[..., StagePeak], longest: in
 
 # ---- entry points -------------------------------------------------------------------------------
 
-def resolve_spec(cfg: Config, shape: str | None = None) -> tuple[Qwen2Spec, str]:
+def resolve_spec(cfg: Config, shape: str | None = None) -> tuple[ModelSpec, str]:
     """The model shape: ``--shape`` (a known name, a config.json or an HF directory), else
     ``model.path/config.json``, else the shipped shape named like ``model.path``'s last part."""
     if shape:
@@ -464,7 +474,7 @@ def resolve_spec(cfg: Config, shape: str | None = None) -> tuple[Qwen2Spec, str]
     raise ConfigError(f"{cfg.source}: model.path: no {own}; pass --shape (one of {names}, or a config.json)")
 
 
-def fitting_tp_choices(cfg: Config, world_size: int, device_bytes: int, *, spec: Qwen2Spec | None = None) -> list[int]:
+def fitting_tp_choices(cfg: Config, world_size: int, device_bytes: int, *, spec: ModelSpec | None = None) -> list[int]:
     """The rollout TPs of ``planner.tp_choices`` whose engines fit: weights plus one longest
     request's KV in the static budget, and weights beside the resident trainer in the sync phase."""
     spec = spec or resolve_spec(cfg)[0]
@@ -484,7 +494,7 @@ def check_memory(cfg: Config, world_size: int) -> None:
     else:
         device_bytes = int(DEFAULT_DEVICE_GB * GB)
     spec, _ = resolve_spec(cfg)
-    te = importlib.util.find_spec("transformer_engine") is not None  # as megatron_ext.qwen2 picks the layer
+    te = importlib.util.find_spec("transformer_engine") is not None  # as megatron_ext.model picks the layer
     plan = plan_memory(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
     if plan.problems:
         raise ConfigError(f"{cfg.source}: the memory plan does not fit {gb(device_bytes)} GB per GPU: "
@@ -496,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollpacker.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/qwen2.5-7b.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.recompute=true")
-    p.add_argument("--nodes", type=int, help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B), else 1")
+    p.add_argument("--nodes", type=int,
+                   help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B, 1 for Qwen3-8B), else 1")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--device-gb", type=float, default=DEFAULT_DEVICE_GB, help="GPU memory in GB of 1e9 bytes")
     p.add_argument("--no-te", dest="te", action="store_false",

@@ -9,23 +9,38 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_random_qwen2(path: str | Path, *, seed: int = 0, **overrides) -> Path:
-    """Write a random Qwen2 HF checkpoint (config.json + model.safetensors) to ``path``.
+# Per family: the transformers classes and the defaults of its random checkpoints.
+_RANDOM_FAMILIES = {
+    # GQA (4 heads, 2 KV heads), QKV bias, untied embeddings, a vocab of 250 (not divisible by 2
+    # or 4, to exercise vocab padding).
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, torch_dtype="float32")),
+    # The same, but no QKV bias, q/k norms and head_dim 32 != hidden 64 / 4 heads (as Qwen3-0.6B's
+    # 128 != 1024 / 16).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, torch_dtype="float32")),
+}
 
-    Defaults: GQA (4 heads, 2 KV heads), QKV bias, untied embeddings, a vocab
-    of 250 (not divisible by 2 or 4, to exercise vocab padding).
+
+def make_random_checkpoint(path: str | Path, family: str, *, seed: int = 0, **overrides) -> Path:
+    """Write a random HF checkpoint (config.json + model.safetensors) of ``family`` to ``path``.
+
+    ``overrides``: config keys over the family's defaults (:data:`_RANDOM_FAMILIES`).
+    Biases and norm weights (which HF initialises to 0 and 1) get noise, so that parity
+    checks would see them mis-loaded.
     """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    cfg = dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-               torch_dtype="float32")
-    cfg.update(overrides)
+    config_cls, model_cls, defaults = _RANDOM_FAMILIES[family]
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).float()
-    with torch.no_grad():  # HF init leaves biases at zero; make them matter for parity
+    config = getattr(transformers, config_cls)(**{**defaults, **overrides})
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -33,6 +48,16 @@ def make_random_qwen2(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def make_random_qwen2(path: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """A random Qwen2 checkpoint (see :func:`make_random_checkpoint`)."""
+    return make_random_checkpoint(path, "qwen2", seed=seed, **overrides)
+
+
+def make_random_qwen3(path: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3 dense checkpoint (see :func:`make_random_checkpoint`)."""
+    return make_random_checkpoint(path, "qwen3", seed=seed, **overrides)
 
 
 def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, env: dict | None = None,

@@ -1,4 +1,6 @@
-"""HF <-> Megatron conversion: bit-identical round trips at TP=1/2 and PP=2, and the conversion CLI."""
+"""HF <-> Megatron conversion: bit-identical round trips at TP=1/2 and PP=2, and the conversion CLI.
+
+Every check runs on Qwen2 (QKV bias) and Qwen3 (q/k norms, head_dim != hidden / heads), tied and untied."""
 from __future__ import annotations
 
 import json
@@ -10,8 +12,8 @@ from safetensors.torch import load_file
 
 from megatron_ext import weights
 from megatron_ext.convert import main
-from megatron_ext.qwen2 import build_model, padded_vocab_size
-from rollpacker.hf_qwen2 import parse_spec
+from megatron_ext.model import build_model, padded_vocab_size
+from rollpacker.hf_spec import parse_spec
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.testing import run_torchrun
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
@@ -28,7 +30,7 @@ def assert_same_checkpoint(expected_dir, actual_dir):
     assert (actual_dir / "generation_config.json").is_file()  # non-weight files travel along
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "qwen3", "qwen3_tied"])
 def test_hf_megatron_hf_round_trip_is_bit_identical(ckpts, layout, tmp_path, kind):
     model = build_model(ckpts[kind], pg_collection=layout.pg_collection)
     load_hf_checkpoint(model, ckpts[kind])
@@ -37,18 +39,21 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(ckpts, layout, tmp_path, kin
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_sharding_is_inverted_by_gathering_at_any_tp(ckpts, tp):
+@pytest.mark.parametrize("kind", ["untied", "qwen3"])
+def test_sharding_is_inverted_by_gathering_at_any_tp(ckpts, tp, kind):
     # 8 heads in 4 KV groups: at TP=4 each rank holds one group of two query heads.
-    cfg = {**json.loads((ckpts["untied"] / "config.json").read_text()),
+    cfg = {**json.loads((ckpts[kind] / "config.json").read_text()),
            "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64}
     spec = parse_spec(cfg)
     shapes = spec.hf_shapes()
     full = {name: torch.randn(shape) for name, shape in shapes.items() if name.startswith(("model.layers.0.", "lm_head"))}
     groups = [("lm_head.weight",), ("model.layers.0.self_attn.o_proj.weight",),
               tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"),
-              tuple(f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"),
               ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")]
-    kinds = [weights._Kind.VOCAB, weights._Kind.ROW, weights._Kind.QKV, weights._Kind.QKV, weights._Kind.FC1]
+    kinds = [weights._Kind.VOCAB, weights._Kind.ROW, weights._Kind.QKV, weights._Kind.FC1]
+    if spec.qkv_bias:
+        groups.append(tuple(f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"))
+        kinds.append(weights._Kind.QKV)
     for names, kind in zip(groups, kinds):
         rows = {weights._Kind.VOCAB: padded_vocab_size(spec, tp) // tp,
                 weights._Kind.ROW: shapes[names[0]][0],
@@ -64,30 +69,41 @@ def test_sharding_is_inverted_by_gathering_at_any_tp(ckpts, tp):
             assert torch.equal(tensor, full[name]), (name, tp)
 
 
-def test_iter_hf_tensors_yields_every_tensor_once_in_the_documented_order(ckpts, layout):
-    model = build_model(ckpts["untied"], pg_collection=layout.pg_collection)
-    load_hf_checkpoint(model, ckpts["untied"])
+@pytest.mark.parametrize("kind", ["untied", "qwen3"])
+def test_iter_hf_tensors_yields_every_tensor_once_in_the_documented_order(ckpts, layout, kind):
+    model = build_model(ckpts[kind], pg_collection=layout.pg_collection)
+    load_hf_checkpoint(model, ckpts[kind])
     yielded = [(name, tuple(t.shape)) for name, t in iter_hf_tensors(model, layout)]
-    assert yielded == list(parse_spec(ckpts["untied"]).hf_shapes().items())
+    assert yielded == list(parse_spec(ckpts[kind]).hf_shapes().items())
     # Exported tensors are copies: changing one must not touch the model.
     name, norm = next((n, t) for n, t in iter_hf_tensors(model, layout) if n.endswith("input_layernorm.weight"))
     norm.zero_()
     assert model.decoder.layers[0].input_layernorm.weight.abs().sum() > 0
 
 
-def test_loading_a_checkpoint_of_another_architecture_is_refused(ckpts, layout):
-    model = build_model(ckpts["tied"], pg_collection=layout.pg_collection)
+@pytest.mark.parametrize("built, loaded", [("tied", "untied"), ("untied", "qwen3")])
+def test_loading_a_checkpoint_of_another_architecture_is_refused(ckpts, layout, built, loaded):
+    model = build_model(ckpts[built], pg_collection=layout.pg_collection)
     with pytest.raises(ValueError, match="config.json describes .* but the model was built for"):
-        load_hf_checkpoint(model, ckpts["untied"])
+        load_hf_checkpoint(model, ckpts[loaded])
 
 
-def test_cli_mcore_round_trip(ckpts, tmp_path):
+@pytest.mark.parametrize("kind", ["untied", "qwen3"])
+def test_cli_mcore_round_trip(ckpts, tmp_path, kind):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert main(["hf-to-mcore", str(ckpts["untied"]), str(mcore)]) == 0
+    assert main(["hf-to-mcore", str(ckpts[kind]), str(mcore)]) == 0
     assert json.loads((mcore / "mcore.json").read_text()) == {"format": 1, "tp": 1, "pp": 1, "dtype": "fp32"}
     assert (mcore / "mp_rank_00_000" / "model.pt").is_file()
     assert main(["mcore-to-hf", str(mcore), str(back)]) == 0
-    assert_same_checkpoint(ckpts["untied"], back)
+    assert_same_checkpoint(ckpts[kind], back)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_tied"])
+def test_cli_verify_passes_on_qwen3_at_tp1(ckpts, capsys, kind):
+    assert main(["--verify", str(ckpts[kind])]) == 0
+    line = capsys.readouterr().out.rstrip()
+    assert line.endswith("PASS") and "tp=1" in line
+    assert float(re.search(r"max \|dlogp\| = (\S+)", line).group(1)) < 1e-5
 
 
 def test_cli_verify_fails_with_exit_code_1(ckpts, capsys):
@@ -96,8 +112,14 @@ def test_cli_verify_fails_with_exit_code_1(ckpts, capsys):
     assert capsys.readouterr().out.rstrip().endswith("FAIL")
 
 
-def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path):
-    proc = run_torchrun(2, ["tests/dist/megatron_convert_checks.py", str(ckpts["tied"]), str(ckpts["untied"]),
+# (tied checkpoint, untied checkpoint) per family
+FAMILY_PAIRS = {"qwen2": ("tied", "untied"), "qwen3": ("qwen3_tied", "qwen3")}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_PAIRS))
+def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path, family):
+    tied, untied = FAMILY_PAIRS[family]
+    proc = run_torchrun(2, ["tests/dist/megatron_convert_checks.py", str(ckpts[tied]), str(ckpts[untied]),
                             str(tmp_path)], timeout=400)
     cli_line = next(line for line in proc.stdout.splitlines() if "max |dlogp|" in line)
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -107,10 +129,10 @@ def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path):
     assert result["logprob_diff"] < 1e-4 and result["entropy_diff"] < 1e-4
     assert result["logprob_value"] < 1e-5 and result["entropy_value"] < 1e-5 and result["grad"] < 1e-6
     for sizes in ("tp2", "pp2"):
-        for kind in ("tied", "untied"):
-            assert_same_checkpoint(ckpts[kind], tmp_path / f"{sizes}_{kind}")
+        for kind, name in zip((tied, untied), ("tied", "untied")):
+            assert_same_checkpoint(ckpts[kind], tmp_path / f"{sizes}_{name}")
     # Tied embeddings under PP: the last stage holds its own output copy, loaded from the HF embedding.
     last_stage = torch.load(tmp_path / "mcore_pp2_tied" / "mp_rank_00_001" / "model.pt", weights_only=True)["model"]
-    embedding = load_file(str(ckpts["tied"] / "model.safetensors"))["model.embed_tokens.weight"]
+    embedding = load_file(str(ckpts[tied] / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(last_stage["output_layer.weight"][:250], embedding)
     assert not last_stage["output_layer.weight"][250:].any()

@@ -11,9 +11,9 @@ import torch
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, RequestError, SamplingParams
-from rollpacker.rollout.qwen2_torch import iter_safetensors
+from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.testing import REPO_ROOT, make_random_qwen2
+from rollpacker.testing import REPO_ROOT, make_random_checkpoint, make_random_qwen2, make_random_qwen3
 
 torch.set_num_threads(1)
 POLICY = REPO_ROOT / "assets" / "policy"
@@ -21,26 +21,34 @@ PROMPT_LENGTHS = (3, 17, 8, 30, 1, 12)
 
 
 def _model_dirs() -> list:
-    dirs = ["random"]
+    dirs = ["random", "qwen3", "qwen3_tied"]
     if (POLICY / "config.json").is_file():
         dirs.append("policy")
     return dirs
 
 
 @pytest.fixture(scope="module")
-def random_dir(tmp_path_factory) -> Path:
-    return make_random_qwen2(tmp_path_factory.mktemp("qwen2"))
+def random_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Qwen2; Qwen3 with head_dim 32 != hidden 64 / 4 heads; Qwen3 with tied embeddings."""
+    root = tmp_path_factory.mktemp("random")
+    return {"random": make_random_qwen2(root / "qwen2"), "qwen3": make_random_qwen3(root / "qwen3", seed=3),
+            "qwen3_tied": make_random_qwen3(root / "qwen3_tied", seed=4, tie_word_embeddings=True, head_dim=16)}
+
+
+@pytest.fixture(scope="module")
+def random_dir(random_dirs) -> Path:
+    return random_dirs["random"]
 
 
 @pytest.fixture(scope="module", params=_model_dirs())
-def model_dir(request, random_dir) -> Path:
-    return random_dir if request.param == "random" else POLICY
+def model_dir(request, random_dirs) -> Path:
+    return POLICY if request.param == "policy" else random_dirs[request.param]
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def _hf(model_dir: Path):
-    from transformers import Qwen2ForCausalLM
-    return Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def _prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -92,7 +100,7 @@ def _megatron_logprobs(model_dir: Path, prompt: list[int], output: list[int]) ->
     """The trainer's model: Megatron-core GPTModel at TP=1, vocab-parallel log-probs."""
     from megatron_ext.logprobs import token_logprobs
     from megatron_ext.parallel import setup_layout, teardown_layout
-    from megatron_ext.qwen2 import build_model
+    from megatron_ext.model import build_model
     from megatron_ext.weights import load_hf_checkpoint
 
     layout = setup_layout()
@@ -232,10 +240,11 @@ def test_release_and_resume_memory(random_dir):
         engine.release_memory(["kv_cache"])
 
 
-def test_update_weights_in_place_equals_fresh_engine(random_dir, tmp_path):
-    new_dir = make_random_qwen2(tmp_path / "new", seed=1)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_update_weights_in_place_equals_fresh_engine(random_dirs, tmp_path, family):
+    new_dir = make_random_checkpoint(tmp_path / "new", family, seed=1)
     prompts = _prompts(250, seed=7)
-    engine = _engine(random_dir)
+    engine = _engine(random_dirs["random" if family == "qwen2" else family])
     old = _run(engine, _greedy(prompts))
     engine.update_weights(iter_safetensors(new_dir))
     updated = _run(engine, _greedy(prompts))

@@ -1,9 +1,10 @@
-"""The Megatron Qwen2 model on CPU at TP=1: parity with transformers, log-probs, config refusals.
+"""The Megatron Qwen2/Qwen3 model on CPU at TP=1: parity with transformers, log-probs, config refusals.
 
 TP=2 and PP=2 run under torchrun in tests/test_convert.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,21 +13,51 @@ import torch
 from megatron_ext import weights
 from megatron_ext.convert import verify
 from megatron_ext.parallel import setup_layout, teardown_layout
-from megatron_ext.qwen2 import build_model, padded_vocab_size, transformer_config
-from rollpacker.hf_qwen2 import parse_spec
+from megatron_ext.model import build_model, padded_vocab_size, transformer_config
+from rollpacker.hf_spec import parse_spec
 from tests.dist.megatron_convert_checks import logprob_grad_errors
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "qwen3", "qwen3_tied"])
 def test_logprob_parity_with_transformers(ckpts, layout, kind):
     spec = parse_spec(ckpts[kind])
     # The cases this parity is about: GQA, a vocabulary that needs padding, both embedding modes.
     assert spec.num_kv_heads < spec.num_heads and padded_vocab_size(spec, 1) > spec.vocab_size
-    assert spec.tie_word_embeddings == (kind == "tied")
+    assert spec.tie_word_embeddings == (kind in ("tied", "qwen3_tied"))
     parity = verify(ckpts[kind], layout)
     print(f"TP=1 {kind}: max |dlogp| = {parity.logprob_diff:.3e}, max |dH| = {parity.entropy_diff:.3e}")
     assert parity.logprob_diff < 1e-4 and parity.entropy_diff < 1e-4
+
+
+def test_qwen3_model_has_per_head_qk_norms_and_no_qkv_bias(ckpts, layout):
+    spec = parse_spec(ckpts["qwen3"])
+    assert (spec.qk_norm, spec.qkv_bias, spec.head_dim) == (True, False, 32) and spec.head_dim * 4 != spec.hidden_size
+    attention = build_model(ckpts["qwen3"], pg_collection=layout.pg_collection).decoder.layers[0].self_attention
+    params = dict(attention.named_parameters())
+    assert params["q_layernorm.weight"].shape == params["k_layernorm.weight"].shape == (32,)
+    assert params["linear_qkv.weight"].shape == ((4 + 2 * 2) * 32, 64) and "linear_qkv.bias" not in params
+
+
+def test_qwen3_head_dim_defaults_as_transformers_does(ckpts):
+    from transformers import Qwen3Config
+
+    cfg = json.loads((ckpts["qwen3"] / "config.json").read_text())
+    del cfg["head_dim"]
+    assert parse_spec(cfg).head_dim == Qwen3Config(**cfg).head_dim == 128  # not hidden 64 / 4 heads
+
+
+def test_parity_check_catches_swapped_qk_norms(ckpts, layout, monkeypatch):
+    real_bindings = weights._bindings
+    other = {"q_norm.weight": "k_norm.weight", "k_norm.weight": "q_norm.weight"}
+    cut = len("q_norm.weight")
+
+    def swapped(model):
+        return [dataclasses.replace(b, hf_names=(b.hf_names[0][:-cut] + other[b.hf_names[0][-cut:]],))
+                if b.hf_names[0][-cut:] in other else b for b in real_bindings(model)]
+
+    monkeypatch.setattr(weights, "_bindings", swapped)
+    assert verify(ckpts["qwen3"], layout).logprob_diff > 1e-3
 
 
 def test_parity_check_catches_a_wrong_qkv_layout(ckpts, layout, monkeypatch):
@@ -78,7 +109,9 @@ def test_model_init_is_reproducible_from_the_layout_seed(ckpts):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "llama"}, "model_type='llama'"),
+    ({"model_type": "llama"}, r"model_type='llama' is not supported; supported: 'qwen2' \(Qwen2/Qwen2.5\), "
+                              r"'qwen3' \(Qwen3 dense\)"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true is not supported for Qwen3 dense"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope type 'yarn'"),

@@ -10,14 +10,14 @@ import torch
 from rollpacker import plan
 from rollpacker.config import load_config
 from rollpacker.configlib import ConfigError
-from rollpacker.hf_qwen2 import parse_spec
+from rollpacker.hf_spec import parse_spec
 from rollpacker.scheduler.config import PlannerConfig
 from rollpacker.testing import REPO_ROOT
 from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 DEVICE = int(80e9)
-PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
+PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen3-8b": 8}
 
 # make_random_qwen2's shape: h=64, 4 heads / 2 KV heads of d=16, ffn 160, 2 layers, vocab 250.
 TINY = parse_spec(dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=160,
@@ -44,6 +44,7 @@ def _plan(name: str, *overrides: str) -> plan.MemoryPlan:
     ("qwen2.5-7b", 7.61e9, 6.53e9),  # Qwen2.5-7B model card: 7.61B, 6.53B non-embedding
     ("qwen2.5-14b", 14.7e9, 13.1e9),  # Qwen2.5-14B: 14.7B, 13.1B
     ("qwen2.5-32b", 32.5e9, 31.0e9),  # Qwen2.5-32B: 32.5B, 31.0B
+    ("qwen3-8b", 8.2e9, 6.95e9),  # Qwen3-8B: 8.2B, 6.95B
 ])
 def test_shipped_shapes_have_the_published_parameter_counts(name, total, non_embedding):
     spec = parse_spec(plan.SHAPES_DIR / f"{name}.json")
@@ -88,6 +89,22 @@ def test_tiny_model_by_hand():
     assert plan.kv_bytes_per_token(TINY, 4) == 128  # 2 KV heads over 4 ranks: replicated, one per rank
 
 
+def test_tiny_qwen3_by_hand():
+    # make_random_qwen3's shape: 4 heads / 2 KV heads of d=32 (hidden 64). One layer: q 128x64, k and v
+    # 2 x 64x64 (no bias), o 64x128, gate/up/down 3 x 64x160, two norms 2 x 64, q/k norms 2 x 32
+    spec = parse_spec(dict(model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=160,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False))
+    layer = 128 * 64 + 2 * 64 * 64 + 64 * 128 + 3 * 64 * 160 + 2 * 64 + 2 * 32
+    assert plan.stage_params(spec, 1, 1, 0) == 2 * layer + 2 * 256 * 64 + 64
+    assert plan.hf_param_count(spec) == 2 * layer + 2 * 250 * 64 + 64
+    # the q/k norms add an fp32 1/rms per head, 4(a+g); torch's RMSNorm two fp32 copies of Q and K, 8(a+g)d
+    sharded = 2 * (4 + 4) * 32 + 2 * (4 + 2) * 32 + 2 * 128 + 4 * 4 + 10 * 160 + 4 * (4 + 2)
+    assert plan.layer_activation_bytes(spec, 1, 100) == 100 * (8 * 64 + sharded)
+    assert plan.layer_activation_bytes(spec, 1, 100, te=False) == 100 * (20 * 64 + sharded + 8 * 6 * 32)
+    assert plan.kv_bytes_per_token(spec, 1) == 2 * 2 * 2 * 32 * 2
+
+
 def test_pipeline_first_stage_holds_every_layer_in_flight():
     spec = parse_spec(plan.SHAPES_DIR / "qwen2.5-14b.json")
     one = plan.layer_activation_bytes(spec, 2, 1000)
@@ -97,7 +114,7 @@ def test_pipeline_first_stage_holds_every_layer_in_flight():
 
 
 def test_padding_rule_is_megatrons():
-    from megatron_ext.qwen2 import padded_vocab_size
+    from megatron_ext.model import padded_vocab_size
     spec = parse_spec(plan.SHAPES_DIR / "qwen2.5-7b.json")
     for tp in (1, 2, 4, 8):
         assert plan.padded_vocab(spec, tp) == padded_vocab_size(spec, tp)
@@ -217,7 +234,7 @@ def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
 
 
 def test_recompute_reaches_megatron_and_keeps_the_gradients(layout, tmp_path):
-    from megatron_ext.qwen2 import build_model
+    from megatron_ext.model import build_model
     from megatron_ext.weights import load_hf_checkpoint
     from rollpacker.testing import make_random_qwen2
     model_dir = make_random_qwen2(tmp_path / "m")
@@ -253,6 +270,11 @@ def test_cli_prints_the_plan():
                 "total", "left"):
         assert any(line.startswith(row) for line in lines), row
     assert lines[-1] == "fits"
+    qwen3 = subprocess.run([sys.executable, "-m", "rollpacker.plan", "--config", "configs/qwen3-8b.yaml"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert qwen3.returncode == 0, qwen3.stderr
+    assert "8 GPUs of 80.00 GB" in qwen3.stdout and "heads 32/8 kv" in qwen3.stdout  # the planner experiment's node
+    assert qwen3.stdout.splitlines()[-1] == "fits"
     refused = subprocess.run([sys.executable, "-m", "rollpacker.plan", "--config", "configs/qwen2.5-32b.yaml",
                               "scheduler.planner.min_tp=1"], cwd=REPO_ROOT, capture_output=True, text=True,
                              timeout=120)

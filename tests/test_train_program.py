@@ -204,3 +204,35 @@ def test_long_round_hands_an_engine_to_the_stream_trainer(stream_run):
         assert short["streamed_groups"] == 0 and short["migrated_requests"] == 0
     # after the streamed step, engines on both ranks hold exactly the trainer's (one, shared) update
     assert rows[5]["sync/max_abs_diff"] == 0.0 and rows[4]["train/skipped"] == 0
+
+
+def test_a_random_qwen3_policy_trains_syncs_and_exports(tmp_path):
+    """The program on a Qwen3 checkpoint (q/k norms, head_dim 32 != 64 / 4 heads), with the shipped
+    tokenizer: it runs, the engines hold the trainer's weights after every sync, and the HF export
+    loads as Qwen3ForCausalLM. The random policy earns no reward; that is not the check."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3ForCausalLM
+
+    from rollpacker.testing import make_random_qwen3
+
+    policy = make_random_qwen3(tmp_path / "qwen3", seed=5, vocab_size=json.loads(
+        (POLICY / "config.json").read_text())["vocab_size"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(POLICY / name, policy / name)
+    run_dir = tmp_path / "runs" / "qwen3"
+    # Zero rewards give zero advantages and zero gradients: weight decay still moves the weights, so
+    # each sync pushes weights that differ from the engines' and the export differs from the start.
+    _train(run_dir, f"model.path={policy}", "run.steps=2", "run.save_every=2", "run.verify_sync=true",
+           "scheduler.planner.profile=[]", "rollout.max_response_length=64", "trainer.weight_decay=0.1")
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/max_abs_diff"] == 0.0 for r in rows)
+    export = run_dir / "checkpoints" / "step_00000002" / "hf"
+    model = Qwen3ForCausalLM.from_pretrained(export)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and (export / "tokenizer.json").exists()
+    start, trained = load_file(policy / "model.safetensors"), dict(model.named_parameters())
+    assert set(start) <= set(trained)
+    assert any(not torch.equal(t, trained[n].detach()) for n, t in start.items()), "the steps were not exported"

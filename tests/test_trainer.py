@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2, run_torchrun
+from rollpacker.testing import make_random_qwen2, make_random_qwen3, run_torchrun
 from rollpacker.trainer.backend import logprobs_only
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch
@@ -174,8 +174,13 @@ def test_offload_keeps_weights_and_hf_export_round_trips(layout, model_dir, tmp_
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
 
 
-def test_tensor_parallel_steps_match_single_rank(layout, model_dir, tmp_path):
-    """Vocab-parallel loss, TP-duplicate-aware grad norm, KL swap: TP=2 reproduces TP=1."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_tensor_parallel_steps_match_single_rank(layout, model_dir, tmp_path, family):
+    """Vocab-parallel loss, TP-duplicate-aware grad norm, KL swap: TP=2 reproduces TP=1.
+    Qwen3: its replicated q/k norms see only their rank's heads, so their gradients must be summed
+    over TP (the grad norm and the second step would differ otherwise)."""
+    if family == "qwen3":
+        model_dir = make_random_qwen3(tmp_path / "qwen3", seed=11)
     out = tmp_path / "tp2.json"
     run_torchrun(2, ["tests/dist/trainer_tp.py", str(model_dir), str(out)], timeout=300)
     tp2 = json.loads(out.read_text())

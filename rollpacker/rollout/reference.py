@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
-from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
-from rollpacker.rollout.qwen2_torch import ForwardPlan, Qwen2TP, iter_safetensors
+from rollpacker.hf_spec import ModelSpec, parse_spec
+from rollpacker.rollout.qwen_torch import ForwardPlan, QwenTP, iter_safetensors
 from rollpacker.rollout.sampling import draw_uniforms, sample
 
-ModelSource = str | Path | tuple[dict | Qwen2Spec, Mapping[str, torch.Tensor]]
+ModelSource = str | Path | tuple[dict | ModelSpec, Mapping[str, torch.Tensor]]
 
 
 @dataclass
@@ -100,10 +100,10 @@ def _padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) ->
 
 
 class ReferenceEngine(RolloutEngine):
-    """Continuous-batching Qwen2 engine over a paged KV budget, optionally tensor-parallel.
+    """Continuous-batching Qwen2/Qwen3 engine over a paged KV budget, optionally tensor-parallel.
 
-    ``model``: an HF Qwen2 directory (``config.json`` + ``*.safetensors``), or a pair
-    ``(HF config dict or Qwen2Spec, {HF name: full tensor})``. ``cfg``: the rollout
+    ``model``: an HF Qwen2 or Qwen3 directory (``config.json`` + ``*.safetensors``), or a pair
+    ``(HF config dict or ModelSpec, {HF name: full tensor})``. ``cfg``: the rollout
     section (``kv_cache_tokens``, ``kv_page_size``, ``max_running_requests``,
     ``max_prefill_tokens``, ``seed``). ``group``: the ranks forming this engine (None:
     this process alone); every rank of the group constructs the engine; the leader
@@ -122,10 +122,10 @@ class ReferenceEngine(RolloutEngine):
         if isinstance(model, (str, Path)):
             spec, tensors = parse_spec(model), iter_safetensors(model)
         else:
-            spec = model[0] if isinstance(model[0], Qwen2Spec) else parse_spec(model[0])
+            spec = model[0] if isinstance(model[0], ModelSpec) else parse_spec(model[0])
             tensors = iter(model[1].items())
         self.spec = spec
-        self.model = Qwen2TP(spec, tp_rank=0 if group is None else dist.get_rank(group), tp_size=self.tp_size,
+        self.model = QwenTP(spec, tp_rank=0 if group is None else dist.get_rank(group), tp_size=self.tp_size,
                              group=group, dtype=dtype, device=device)
         self.model.allocate()
         self.model.load_all(tensors)
@@ -212,7 +212,7 @@ class ReferenceEngine(RolloutEngine):
             raise RuntimeError(f"engine {self.engine_id}: weights are released; resume_memory(['weights']) first")
         for name, tensor in named_tensors:
             if not self.model.has_weight(name):
-                raise KeyError(f"engine {self.engine_id}: unknown Qwen2 weight name {name!r}")
+                raise KeyError(f"engine {self.engine_id}: unknown {self.spec.model_type} weight name {name!r}")
             self.model.load(name, tensor.detach().to(self.model.device, self.model.dtype).contiguous())
             self._missing_weights.discard(name)
 

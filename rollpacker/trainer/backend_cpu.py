@@ -50,6 +50,9 @@ class CpuBackend(Backend):
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            eps=cfg.adam_eps)
         self._duplicate = [_is_tp_duplicate(p, layout) for p in self._params]
+        # Qwen3's q/k norms are replicated over TP but each rank's gradient covers only its own heads:
+        # summed over TP, as megatron-core's finalize_model_grads does on the GPU backend.
+        self._tp_summed = [p for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
                          forward_only: bool = False) -> list[Any]:
@@ -70,6 +73,9 @@ class CpuBackend(Backend):
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
 
     def reduce_grads(self, scale: float) -> None:
+        if self.layout.tp > 1:
+            for p in self._tp_summed:
+                dist.all_reduce(p.grad, group=self.layout.tp_group)
         flat = torch.cat([p.grad.reshape(-1) for p in self._params])
         if self.layout.dp > 1:
             dist.all_reduce(flat, group=self.layout.dp_group)

@@ -1,6 +1,6 @@
 """The training stage as the entry point sees it: one object per rank.
 
-``Trainer`` builds this rank's Megatron Qwen2 shard from an HF directory over
+``Trainer`` builds this rank's Megatron Qwen2/Qwen3 shard from an HF directory over
 an explicit layout, picks the backend for the device (GPU: Megatron DDP +
 distributed optimizer + pipeline schedules; CPU: the project's micro-batch
 loop + torch AdamW) and exposes the step in two shapes that share one code
@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.qwen2 import build_model
+from megatron_ext.model import build_model
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.sample import Sample
 from rollpacker.trainer.backend import Backend

@@ -16,7 +16,7 @@ from rollpacker.checkpoint import CheckpointManager
 from rollpacker.coordinator import exchange_endpoints
 from rollpacker.metrics import Timeline
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.qwen2_torch import iter_safetensors
+from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.rollout_phase import broadcast_groups
 from rollpacker.runtime.streaming import replica_of_ranks

@@ -4,7 +4,7 @@ Usage: engine_tp.py OLD_MODEL_DIR NEW_MODEL_DIR OUT_JSON. Both ranks form one en
 an explicit group; rank 0 leads, rank 1 serves as follower. Rank 0 also runs TP=1
 engines alone and writes greedy outputs of: TP=2 vs TP=1 on the old weights (with a
 KV budget that preempts), after a release/resume of the KV cache, and after an in-place
-update to the new weights vs a fresh TP=1 engine loaded from them.
+update to the new weights vs a fresh TP=1 engine loaded from them; and the prompts.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
-from rollpacker.rollout.qwen2_torch import iter_safetensors
+from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.rollout.reference import ReferenceEngine
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     leader = dist.get_rank() == 0
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (4, 13, 7, 22, 2)]
-    result = {}
+    result = {"prompts": prompts}
 
     def serve(key: str) -> None:
         """Request plane: the leader generates while the follower mirrors its forwards."""

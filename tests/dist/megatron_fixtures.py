@@ -4,15 +4,18 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2
+from rollpacker.testing import make_random_qwen2, make_random_qwen3
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    """Random tiny Qwen2 checkpoints: GQA (4 heads, 2 KV heads), vocab 250 (padded), tied and untied."""
-    root = tmp_path_factory.mktemp("qwen2")
+    """Random tiny checkpoints, GQA (4 heads, 2 KV heads), vocab 250 (padded): Qwen2 tied and untied;
+    Qwen3 untied with head_dim 32 != hidden 64 / 4 heads, and Qwen3 tied with head_dim 16."""
+    root = tmp_path_factory.mktemp("ckpts")
     return {"tied": make_random_qwen2(root / "tied", seed=1, tie_word_embeddings=True),
-            "untied": make_random_qwen2(root / "untied", seed=2)}
+            "untied": make_random_qwen2(root / "untied", seed=2),
+            "qwen3": make_random_qwen3(root / "qwen3", seed=3),
+            "qwen3_tied": make_random_qwen3(root / "qwen3_tied", seed=4, tie_word_embeddings=True, head_dim=16)}
 
 
 @pytest.fixture

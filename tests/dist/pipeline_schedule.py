@@ -14,7 +14,7 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from megatron_ext.qwen2 import build_model
+from megatron_ext.model import build_model
 from rollpacker.trainer.backend_gpu import schedule_groups
 
 

@@ -1,4 +1,4 @@
-"""A compact Qwen2 forward in plain PyTorch over a paged KV cache, tensor-parallel over a process group.
+"""A compact Qwen2/Qwen3 forward in plain PyTorch over a paged KV cache, tensor-parallel over a process group.
 
 Read from an HF safetensors directory (``config.json`` + ``*.safetensors``) without
 instantiating a ``transformers`` model. Sharding is Megatron-style: QKV and
@@ -6,7 +6,8 @@ gate/up are column-parallel (each rank owns whole attention heads and a slice
 of the MLP), o_proj and down_proj row-parallel, so each sub-block ends in ONE
 all-reduce over ``group``. Embedding, norms and lm_head are replicated (they
 are small next to the layers, and it lets the leader sample from full logits
-with no gather). Every rank holds the KV of its own heads only.
+with no gather), as are Qwen3's per-head q/k norms. Every rank holds the KV of
+its own heads only.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from rollpacker.hf_qwen2 import Qwen2Spec
+from rollpacker.hf_spec import ModelSpec
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,10 +101,10 @@ class PagedKV:
         return both[:, :self.kv_heads], both[:, self.kv_heads:]
 
 
-class Qwen2TP:
-    """One tensor-parallel shard of a Qwen2 model (the whole model when ``tp_size == 1``)."""
+class QwenTP:
+    """One tensor-parallel shard of a Qwen2/Qwen3 model (the whole model when ``tp_size == 1``)."""
 
-    def __init__(self, spec: Qwen2Spec, *, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         if spec.num_heads % tp_size or spec.num_kv_heads % tp_size or spec.intermediate_size % tp_size:
@@ -133,18 +134,24 @@ class Qwen2TP:
         for i in range(s.num_layers):
             p, hf = f"{i}.", f"model.layers.{i}."
             shapes.update({p + "ln1": (s.hidden_size,), p + "ln2": (s.hidden_size,),
-                           p + "qkv_w": (q + 2 * kv, s.hidden_size), p + "qkv_b": (q + 2 * kv,),
+                           p + "qkv_w": (q + 2 * kv, s.hidden_size),
                            p + "o": (s.hidden_size, q), p + "gate_up": (2 * self.ffn, s.hidden_size),
                            p + "down": (s.hidden_size, self.ffn)})
+            if s.qkv_bias:
+                shapes[p + "qkv_b"] = (q + 2 * kv,)
+                targets.update({hf + "self_attn.q_proj.bias": _Target(p + "qkv_b", 0, 0),
+                                hf + "self_attn.k_proj.bias": _Target(p + "qkv_b", q, 0),
+                                hf + "self_attn.v_proj.bias": _Target(p + "qkv_b", q + kv, 0)})
+            if s.qk_norm:
+                shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
+                targets.update({hf + "self_attn.q_norm.weight": _Target(p + "q_norm"),
+                                hf + "self_attn.k_norm.weight": _Target(p + "k_norm")})
             targets.update({
                 hf + "input_layernorm.weight": _Target(p + "ln1"),
                 hf + "post_attention_layernorm.weight": _Target(p + "ln2"),
                 hf + "self_attn.q_proj.weight": _Target(p + "qkv_w", 0, 0),
                 hf + "self_attn.k_proj.weight": _Target(p + "qkv_w", q, 0),
                 hf + "self_attn.v_proj.weight": _Target(p + "qkv_w", q + kv, 0),
-                hf + "self_attn.q_proj.bias": _Target(p + "qkv_b", 0, 0),
-                hf + "self_attn.k_proj.bias": _Target(p + "qkv_b", q, 0),
-                hf + "self_attn.v_proj.bias": _Target(p + "qkv_b", q + kv, 0),
                 hf + "self_attn.o_proj.weight": _Target(p + "o", 0, 1),
                 hf + "mlp.gate_proj.weight": _Target(p + "gate_up", 0, 0),
                 hf + "mlp.up_proj.weight": _Target(p + "gate_up", self.ffn, 0),
@@ -173,7 +180,7 @@ class Qwen2TP:
         """(where this rank keeps its shard of the full HF tensor ``name``, that shard)."""
         target = self._targets.get(name)
         if target is None:
-            raise KeyError(f"unknown Qwen2 weight name {name!r}")
+            raise KeyError(f"unknown {self.spec.model_type} weight name {name!r}")
         if target.split_dim is not None:
             if tensor.shape[target.split_dim] % self.tp_size:
                 raise ValueError(f"{name}: dim {target.split_dim} of shape {tuple(tensor.shape)} "
@@ -258,8 +265,12 @@ class Qwen2TP:
         x = p["embed"][ids]
         for i in range(s.num_layers):
             h = self._rms(x, p[f"{i}.ln1"])
-            qkv = F.linear(h, p[f"{i}.qkv_w"], p[f"{i}.qkv_b"])
-            qk = self._rotate(qkv[..., :q_size + kv_size].view(bsz, t, self.heads + self.kv_heads, d), cos, sin)
+            qkv = F.linear(h, p[f"{i}.qkv_w"], p.get(f"{i}.qkv_b"))
+            qk = qkv[..., :q_size + kv_size].view(bsz, t, self.heads + self.kv_heads, d)
+            if s.qk_norm:  # per head, before RoPE
+                qk = torch.cat((self._rms(qk[:, :, :self.heads], p[f"{i}.q_norm"]),
+                                self._rms(qk[:, :, self.heads:], p[f"{i}.k_norm"])), dim=2)
+            qk = self._rotate(qk, cos, sin)
             q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
             v = qkv[..., q_size + kv_size:].view(bsz, t, self.kv_heads, d)
             if valid is not None:  # prefill: attend within the new tokens, store them

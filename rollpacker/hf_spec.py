@@ -1,9 +1,12 @@
-"""The architecture facts of a Qwen2/Qwen2.5 HF ``config.json``, validated once.
+"""The architecture facts of an HF ``config.json`` of a supported family, validated once.
 
-Both model implementations read their shapes from here: the Megatron-core
-model (``megatron_ext.qwen2``) and the rollout engine's plain-PyTorch model
-(``rollpacker.rollout.qwen2_torch``), so the two can never disagree on what
-a checkpoint means.
+Supported families (``model_type``): ``qwen2`` (Qwen2/Qwen2.5: bias on Q/K/V) and
+``qwen3`` (Qwen3 dense: no QKV bias, RMSNorm over each query and key head before
+RoPE, ``head_dim`` independent of ``hidden_size / num_attention_heads``). Both model
+implementations read their shapes from here: the Megatron-core model
+(``megatron_ext.model``) and the rollout engine's plain-PyTorch model
+(``rollpacker.rollout.qwen_torch``), so the two can never disagree on what a
+checkpoint means.
 """
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
-class Qwen2Spec:
-    """The architecture facts of a Qwen2-family HF config, validated."""
+class ModelSpec:
+    """The architecture facts of a supported HF config, validated."""
 
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,6 +33,8 @@ class Qwen2Spec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     initializer_range: float
+    qkv_bias: bool  # q_proj/k_proj/v_proj carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm of queries and keys before RoPE: q_norm/k_norm of size head_dim (Qwen3)
 
     @property
     def heads_per_group(self) -> int:
@@ -52,8 +58,14 @@ class Qwen2Spec:
             shapes.update({
                 p + "input_layernorm.weight": (h,),
                 p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,), p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, h)})
+            if self.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (self.head_dim,),
+                               p + "self_attn.k_norm.weight": (self.head_dim,)})
+            shapes.update({
                 p + "self_attn.o_proj.weight": (h, q),
                 p + "post_attention_layernorm.weight": (h,),
                 p + "mlp.gate_proj.weight": (self.intermediate_size, h),
@@ -91,28 +103,54 @@ def _rope_theta(cfg: Mapping[str, Any], where: str) -> float:
     return float(theta)
 
 
-def parse_spec(hf_config: Mapping[str, Any] | str | Path) -> Qwen2Spec:
-    """Validate a Qwen2-family HF config and extract what the model needs."""
+@dataclass(frozen=True)
+class _Family:
+    """What sets a family apart, as read from its config.json."""
+
+    name: str  # for messages
+    qkv_bias: bool
+    qk_norm: bool
+    default_head_dim: int | None  # when config.json has no head_dim (None: hidden_size / num_attention_heads)
+
+
+# model_type -> family; a model_type not listed here is refused with this list.
+FAMILIES = {
+    "qwen2": _Family("Qwen2/Qwen2.5", qkv_bias=True, qk_norm=False, default_head_dim=None),
+    # transformers' Qwen3Config defaults head_dim to 128 whatever the hidden size
+    "qwen3": _Family("Qwen3 dense", qkv_bias=False, qk_norm=True, default_head_dim=128),
+}
+
+
+def parse_spec(hf_config: Mapping[str, Any] | str | Path) -> ModelSpec:
+    """Validate an HF config of a supported family and extract what the model needs."""
     where = "config.json" if isinstance(hf_config, Mapping) else f"{hf_config}"
     cfg = load_hf_config(hf_config)
-    if cfg.get("model_type") != "qwen2":
-        raise ValueError(f"{where}: model_type={cfg.get('model_type')!r}, expected 'qwen2' (Qwen2/Qwen2.5)")
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is None:
+        supported = ", ".join(f"{k!r} ({f.name})" for k, f in FAMILIES.items())
+        raise ValueError(f"{where}: model_type={cfg.get('model_type')!r} is not supported; supported: {supported}")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads", "rms_norm_eps") if k not in cfg]
     if missing:
         raise ValueError(f"{where}: missing keys {missing}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r}, only 'silu' (SwiGLU) is supported")
+    if cfg.get("attention_bias", False) and not family.qkv_bias:
+        # Qwen3's attention_bias adds a bias to o_proj as well, which no released checkpoint has.
+        raise ValueError(f"{where}: attention_bias=true is not supported for {family.name}; set it to false")
     if cfg.get("use_sliding_window", False):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    return Qwen2Spec(
+    return ModelSpec(
+        model_type=cfg["model_type"],
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=float(cfg["rms_norm_eps"]),
+        head_dim=cfg.get("head_dim") or family.default_head_dim or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=_rope_theta(cfg, where), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-        initializer_range=cfg.get("initializer_range", 0.02))
+        initializer_range=cfg.get("initializer_range", 0.02),
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)

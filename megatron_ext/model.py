@@ -1,9 +1,11 @@
-"""Qwen2 / Qwen2.5 in Megatron-core: HF ``config.json`` -> ``TransformerConfig`` + ``GPTModel``.
+"""Qwen2 / Qwen2.5 / Qwen3 dense in Megatron-core: HF ``config.json`` -> ``TransformerConfig`` + ``GPTModel``.
 
-The translation from HF config keys to Megatron settings lives only here
-(:func:`transformer_config`). The architecture: GQA attention with bias on
-Q/K/V only, RMSNorm, RoPE (non-interleaved halves, as HF's ``rotate_half``),
-SwiGLU MLP without biases, tied or untied input/output embeddings.
+The translation from HF config keys (parsed by :mod:`rollpacker.hf_spec`) to
+Megatron settings lives only here (:func:`transformer_config`). The
+architecture: GQA attention (Qwen2: bias on Q/K/V only; Qwen3: no bias, and
+per-head RMSNorm of queries and keys before RoPE, Megatron's ``qk_layernorm``),
+RMSNorm, RoPE (non-interleaved halves, as HF's ``rotate_half``), SwiGLU MLP
+without biases, tied or untied input/output embeddings.
 
 The vocabulary is padded to a multiple of ``VOCAB_MULTIPLE * tp`` (as
 Megatron-LM does) so that every TP rank holds an equal slice; the padding rows
@@ -29,20 +31,20 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext import cpu_compat
 from megatron_ext.sdpa_attention import SDPADotProductAttention
-from rollpacker.hf_qwen2 import Qwen2Spec, parse_spec
+from rollpacker.hf_spec import ModelSpec, parse_spec
 
 VOCAB_MULTIPLE = 128
 
 
-def padded_vocab_size(spec: Qwen2Spec, tp: int) -> int:
+def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
     """Megatron's vocab rows: the HF vocab padded to a multiple of ``VOCAB_MULTIPLE * tp``."""
     multiple = VOCAB_MULTIPLE * tp
     return math.ceil(spec.vocab_size / multiple) * multiple
 
 
-def transformer_config(spec: Qwen2Spec, *, tp: int = 1, pp: int = 1, cp: int = 1,
+def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, cp: int = 1,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False) -> TransformerConfig:
-    """The Megatron config of a Qwen2 model, for the given parallel sizes and parameter dtype.
+    """The Megatron config of the model ``spec`` describes, for the given parallel sizes and parameter dtype.
 
     ``recompute``: full activation recompute, one layer per checkpoint: each layer keeps only its
     input and recomputes the rest in backward.
@@ -57,7 +59,7 @@ def transformer_config(spec: Qwen2Spec, *, tp: int = 1, pp: int = 1, cp: int = 1
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.intermediate_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
-        add_bias_linear=False, add_qkv_bias=True,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm,
         gated_linear_unit=True, activation_func=F.silu,
         hidden_dropout=0.0, attention_dropout=0.0,
         # HF computes the attention softmax in fp32 whatever the parameter dtype.
@@ -74,27 +76,29 @@ def _use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def _layer_spec() -> ModuleSpec:
+def _layer_spec(qk_norm: bool) -> ModuleSpec:
     """Transformer Engine's layer where it runs; elsewhere Megatron's local layer with fused SDPA."""
     if _use_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
     return spec
 
 
-class Qwen2Model(GPTModel):
+class QwenModel(GPTModel):
     """A ``GPTModel`` that keeps the HF architecture it was built from, for weight conversion."""
 
-    def __init__(self, hf_spec: Qwen2Spec, **gpt_kwargs: Any) -> None:
+    def __init__(self, hf_spec: ModelSpec, **gpt_kwargs: Any) -> None:
         super().__init__(**gpt_kwargs)
         self.hf_spec = hf_spec
 
 
 def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torch.dtype = torch.float32,
                 pre_process: bool = True, post_process: bool = True,
-                pg_collection: ProcessGroupCollection | None = None, recompute: bool = False) -> Qwen2Model:
-    """A randomly initialised Qwen2 model for this rank's TP shard and PP stage.
+                pg_collection: ProcessGroupCollection | None = None, recompute: bool = False) -> QwenModel:
+    """A randomly initialised model for this rank's TP shard and PP stage.
+
+    ``hf_config``: a config of a family :func:`rollpacker.hf_spec.parse_spec` accepts.
 
     Needs an initialised layout (:func:`megatron_ext.parallel.setup_layout`);
     pass ``pre_process``/``post_process`` for the first/last PP stage and
@@ -107,8 +111,8 @@ def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torc
     pgs = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     tp, pp, cp = pgs.tp.size(), pgs.pp.size(), pgs.cp.size()
     config = transformer_config(spec, tp=tp, pp=pp, cp=cp, params_dtype=params_dtype, recompute=recompute)
-    model = Qwen2Model(
-        spec, config=config, transformer_layer_spec=_layer_spec(), vocab_size=padded_vocab_size(spec, tp),
+    model = QwenModel(
+        spec, config=config, transformer_layer_spec=_layer_spec(spec.qk_norm), vocab_size=padded_vocab_size(spec, tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=spec.rope_theta,
