@@ -20,6 +20,24 @@ def available() -> str | None:
         return f"Slurm/munge not installed ({', '.join(missing)}); .ci/run installs them with apt-get"
     if os.geteuid() != 0:
         return "starting slurmctld/slurmd needs root"
+    return existing_slurm()
+
+
+def existing_slurm() -> str | None:
+    """Why this machine may already be part of a Slurm cluster, or None. The test's daemons share
+    nothing with one (own config, ports, munge key and socket, state), but a slurmd beside a real one
+    would still run job steps on the same cores and cgroups: where any sign of a cluster is found,
+    the test does not start."""
+    inside = sorted(k for k in os.environ if k in ("SLURM_JOB_ID", "SLURM_CLUSTER_NAME", "SLURM_CONF"))
+    if inside:
+        return f"this process runs under Slurm ({', '.join(inside)} set): not starting test daemons beside it"
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:
+            continue
+        if name in ("slurmctld", "slurmd", "slurmdbd"):
+            return f"a {name} is already running here (pid {comm.parent.name}): not starting test daemons beside it"
     return None
 
 

@@ -19,6 +19,12 @@ pytestmark = [
 ]
 
 
+def test_refuses_to_start_daemons_where_a_slurm_cluster_may_be(monkeypatch):
+    """Inside a Slurm job (or beside a running slurmd/slurmctld) the test daemons are never started."""
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert "SLURM_JOB_ID" in (available() or "")
+
+
 def test_sbatch_runs_the_example_and_writes_metrics(tmp_path):
     cluster = LocalSlurm(tmp_path / "slurm")
     cluster.start()
