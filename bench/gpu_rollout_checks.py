@@ -91,11 +91,12 @@ def check_engine_throughput(subject: Subject, batches: list[int], new_tokens: in
 # it into the host's own memory, then report a bitwise checksum per tensor.
 _HOST_SIDE = """
 import json, pickle, struct, sys
+import torch
 from rollpacker.rollout.sglang_host import _own
 out = {}
 while (head := sys.stdin.buffer.read(8)):
     bucket = _own(pickle.loads(sys.stdin.buffer.read(struct.unpack("<Q", head)[0])))
-    out.update((n, int(t.contiguous().view(-1).view(__import__("torch").uint8).long().sum())) for n, t in bucket)
+    out.update((n, int(t.contiguous().view(-1).view(torch.uint8).long().sum())) for n, t in bucket)
 print(json.dumps(out))
 """
 

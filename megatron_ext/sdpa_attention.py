@@ -75,28 +75,15 @@ class SDPADotProductAttention(DotProductAttention):
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"packed SDPA attention is causal only, got {mask_type}")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        lengths = _lengths(cu)
+        # The GPU backend keeps cu_seqlens on the host for this module (GpuBackend._seqlens_device), so
+        # reading them here is no device sync.
+        lengths = cu.diff().tolist()
         if sum(lengths) != query.size(0):
             raise ValueError(f"cu_seqlens ends at {sum(lengths)} but the packed row holds {query.size(0)} tokens")
         # torch.split, not one slice per sequence: the backward of a slice zero-fills a tensor of the
         # whole row and copies into it (sequences x tokens of traffic); split's backward is one cat.
         pieces = zip(*(torch.split(t, lengths) for t in (query, key, value)))
         return torch.cat([self._sdpa(q, k, v, None, causal=True) for q, k, v in pieces if q.size(0)])
-
-
-# Every layer of a forward gets the same cu_seqlens tensor; reading it to the host is a device sync,
-# so it is read once per micro-batch instead of once per layer. Holding the tensor keeps its identity
-# from being reused by another one.
-_last_lengths: tuple[Tensor, list[int]] | None = None
-
-
-def _lengths(cu_seqlens: Tensor) -> list[int]:
-    """The token counts of a packed row's sequences (zero for empty ones)."""
-    global _last_lengths
-    if _last_lengths is None or _last_lengths[0] is not cu_seqlens:
-        bounds = cu_seqlens.tolist()
-        _last_lengths = (cu_seqlens, [b - a for a, b in zip(bounds[:-1], bounds[1:])])
-    return _last_lengths[1]
 
 
 def uses_sdpa_attention(model: nn.Module) -> bool:
