@@ -1,4 +1,4 @@
-"""The pure logic of ``bench/e2e.py``: modes, timing estimators, parity verdict, tables.
+"""The pure logic of ``bench/e2e.py``: modes, timing estimators, paired parity statistic, tables.
 
 No torch, no subprocesses: everything here works on ``metrics.jsonl`` records
 (one dict per step) and small dicts, so ``tests/test_e2e_bench.py`` checks it
@@ -146,27 +146,6 @@ def trailing_means(prompts: Sequence[int], values: Sequence[float], cycle_prompt
     return [window_mean(prompts, values, p - cycle_prompts, p) for p in prompts]
 
 
-def parity_verdict(baseline_finals: Sequence[float], rollpacker_finals: Sequence[float]) -> dict[str, Any]:
-    """RollPacker's last-cycle reward (mean over its seeds) against the baseline's seed spread:
-    inside min..max or inside mean +- 2 std (sample std) counts as within."""
-    mean = statistics.fmean(baseline_finals)
-    std = statistics.stdev(baseline_finals) if len(baseline_finals) > 1 else 0.0
-    lo, hi = min(baseline_finals), max(baseline_finals)
-    rp = statistics.fmean(rollpacker_finals)
-    eps = 1e-12
-    in_minmax = lo - eps <= rp <= hi + eps
-    in_2std = mean - 2 * std - eps <= rp <= mean + 2 * std + eps
-    verdict = ("within spread" if in_minmax and in_2std else "outside spread" if not (in_minmax or in_2std)
-               else "within spread (mean ± 2 std; outside min..max)" if in_2std
-               else "within spread (min..max; outside mean ± 2 std)")
-    if len(baseline_finals) < 2:
-        verdict = "no verdict: one baseline seed has no spread"
-    return {"baseline_finals": list(baseline_finals), "baseline_min": lo, "baseline_max": hi,
-            "baseline_mean": mean, "baseline_std": std, "rollpacker_finals": list(rollpacker_finals),
-            "rollpacker_mean": rp, "within_minmax": in_minmax, "within_2std": in_2std,
-            "verdict": verdict}
-
-
 def trl_skip_reason(no_trl: bool, script_exists: bool, import_error: str | None) -> str | None:
     """Why the TRL row is skipped, or None to run it."""
     if no_trl:
@@ -225,14 +204,6 @@ def ablation_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def parity_text(v: dict[str, Any], what: str = "last-cycle reward") -> str:
-    finals = ", ".join(f"{x:.3f}" for x in v["baseline_finals"])
-    rp = ", ".join(f"{x:.3f}" for x in v["rollpacker_finals"])
-    return (f"baseline {what} per seed: {finals} (min..max {v['baseline_min']:.3f}..{v['baseline_max']:.3f}, "
-            f"mean ± 2 std {v['baseline_mean']:.3f} ± {2 * v['baseline_std']:.3f}); RollPacker: {rp} "
-            f"(mean {v['rollpacker_mean']:.3f}) → **{v['verdict']}**")
-
-
 def trl_markdown(t: dict[str, Any] | None, skip: str | None, ours: Sequence[tuple[str, dict[str, Any]]]) -> str:
     """TRL beside our runs (label, mode_summary plus reward_window/accuracy_window)."""
     if t is None:
@@ -261,3 +232,50 @@ def projection_markdown(rows: Sequence[dict[str, Any]]) -> str:
                    f"{r['planner_tail_mean_s']:.0f} ({r['planner_speedup']:.2f}×) | "
                    f"{r['published_e2e_tail']:.2f}× / {r['published_e2e_all']:.2f}× |")
     return "\n".join(out)
+
+
+# Two-sided 95% Student-t quantiles by degrees of freedom (beyond 30 the normal's 1.96 is within 2%).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def _t95(df: int) -> float:
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 30 else 1.96
+
+
+def paired_difference(baseline: dict[int, float], other: dict[int, float]) -> dict[str, Any]:
+    """``other`` minus ``baseline`` at the same seed: the mean difference and its 95% t-interval.
+
+    Pairing removes what the seed alone decides (data order, sampling draws), which dominates the
+    seed-to-seed spread; parity holds when the interval contains 0. Seeds missing from either side
+    are left out."""
+    seeds = sorted(set(baseline) & set(other))
+    diffs = [other[s] - baseline[s] for s in seeds]
+    out: dict[str, Any] = {"seeds": seeds, "differences": diffs, "n": len(diffs)}
+    if len(diffs) < 2:
+        return {**out, "mean": diffs[0] if diffs else math.nan, "low": math.nan, "high": math.nan,
+                "verdict": "no verdict: fewer than two paired seeds"}
+    mean, half = statistics.fmean(diffs), _t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    verdict = "parity (the interval contains 0)" if mean - half <= 0 <= mean + half else (
+        "better than the baseline" if mean - half > 0 else "worse than the baseline")
+    return {**out, "mean": mean, "low": mean - half, "high": mean + half, "verdict": verdict}
+
+
+def paired_text(p: dict[str, Any], what: str) -> str:
+    per_seed = ", ".join(f"s{s} {d:+.3f}" for s, d in zip(p["seeds"], p["differences"]))
+    return (f"{what}, minus the baseline at the same seed ({per_seed}): mean {p['mean']:+.3f}, "
+            f"95% t-interval [{p['low']:+.3f}, {p['high']:+.3f}] over {p['n']} seeds → **{p['verdict']}**")
+
+
+def by_epoch(steps: Sequence[tuple[Sequence[int], dict[str, float]]]) -> dict[int, dict[str, float]]:
+    """Per-step values summed per epoch: each step is (the epochs of the prompts it trained, its values),
+    and is split between epochs by their share of its trained prompts. Adds ``trained`` per epoch."""
+    out: dict[int, dict[str, float]] = {}
+    for epochs, values in steps:
+        for epoch in sorted(set(epochs)):
+            share = sum(e == epoch for e in epochs) / len(epochs)
+            row = out.setdefault(epoch, {"trained": 0.0})
+            row["trained"] += share * len(epochs)
+            for key, v in values.items():
+                row[key] = row.get(key, 0.0) + share * float(v)
+    return dict(sorted(out.items()))

@@ -91,18 +91,6 @@ def test_last_cycle_mean_is_over_trained_prompts():
     assert rep.trailing_means([16, 32, 48], [1.0, 2.0, 3.0], 32) == pytest.approx([1.0, 1.5, 2.5])
 
 
-@pytest.mark.parametrize("rp, within, verdict", [
-    ([0.20], True, "within spread"),     # inside min..max
-    ([0.26], False, "within spread (mean ± 2 std; outside min..max)"),
-    ([0.40], False, "outside spread"),
-    ([0.10, 0.30], True, "within spread"),  # the mean over RollPacker's seeds counts
-])
-def test_parity_verdict(rp, within, verdict):
-    v = rep.parity_verdict([0.15, 0.20, 0.25], rp)
-    assert v["within_minmax"] is within and v["verdict"] == verdict
-    assert v["baseline_std"] == pytest.approx(0.05)
-
-
 def test_trl_skip_reasons():
     assert rep.trl_skip_reason(True, True, None) == "--no-trl given"
     assert "does not exist" in rep.trl_skip_reason(False, False, None)
@@ -144,9 +132,24 @@ def test_tables_format():
                                      "tail_mean_s": 20.0, "speedup": 2.6, "planner_tail_mean_s": 19.0,
                                      "planner_speedup": 2.74, "published_e2e_tail": 1.3, "published_e2e_all": 2.03}])
     assert "| Qwen2.5-7B, 8k, 16 | 82 → 47 (1.74×) | 52 → 20 (2.60×) | 19 (2.74×) | 1.30× / 2.03× |" in proj
-    text = rep.parity_text(rep.parity_verdict([0.1, 0.2], [0.15]))
-    assert "0.100..0.200" in text and "within spread" in text
 
 
-def test_one_baseline_seed_gives_no_verdict():
-    assert rep.parity_verdict([0.2], [0.2])["verdict"].startswith("no verdict")
+def test_paired_difference_interval_and_verdicts():
+    base = {0: 0.30, 1: 0.20, 2: 0.25, 3: 0.35}
+    same = rep.paired_difference(base, {s: v + d for (s, v), d in zip(base.items(), (0.01, -0.01, 0.02, -0.02))})
+    assert same["n"] == 4 and same["mean"] == pytest.approx(0.0)
+    # sample std of (0.01, -0.01, 0.02, -0.02) = 0.018257; t(3) = 3.182; half-width = 3.182 * 0.018257 / 2
+    assert same["high"] == pytest.approx(3.182 * 0.0182574 / 2, rel=1e-4) and same["low"] == -same["high"]
+    assert same["verdict"].startswith("parity")
+    worse = rep.paired_difference(base, {s: v - 0.05 + 0.001 * s for s, v in base.items()})
+    assert worse["verdict"] == "worse than the baseline" and worse["high"] < 0
+    # a seed present on one side only is not paired
+    one = rep.paired_difference({0: 0.3, 1: 0.2}, {1: 0.25, 7: 0.9})
+    assert one["seeds"] == [1] and one["verdict"].startswith("no verdict")
+    assert "+0.000" in rep.paired_text(same, "reward")
+
+
+def test_by_epoch_splits_a_step_by_its_trained_prompts():
+    steps = [([0, 0, 0, 0], {"s": 4.0}), ([0, 1, 1, 1], {"s": 8.0}), ([1, 1], {"s": 1.0})]
+    out = rep.by_epoch(steps)
+    assert out == {0: {"trained": 5.0, "s": 6.0}, 1: {"trained": 5.0, "s": 7.0}}

@@ -77,7 +77,7 @@ def test_abort_frees_kv_and_never_completes():
 
 def test_request_ids_parse_back():
     s = Sample(prompt=Prompt(uid=12, input_ids=[1], data_source="x", epoch=3), response_index=7)
-    assert parse_request_id(s.request_id) == (12, 7)
+    assert parse_request_id(s.request_id) == (12, 3, 7)
     with pytest.raises(ValueError):
         parse_request_id("req-1")
 

@@ -194,7 +194,7 @@ class Run:
             "queue_length": s.queue_length, "deferred_prompts": s.deferred_prompts,
             "migrated_requests": s.migrated_requests, "migrated_tokens": s.migrated_tokens,
             "handoff_fraction": s.handoff_fraction, "streamed_groups": len(self.rollout_phase.streamed),
-            "filtered_prompts": s.filtered_prompts,
+            "filtered_prompts": s.filtered_prompts, "routed_prompts_total": self.scheduler.counters["routed"],
             "response_len_p50": float(np.percentile(lengths, 50)), "response_len_p90": float(np.percentile(lengths, 90)),
             "response_len_p99": float(np.percentile(lengths, 99)), "response_len_max": int(lengths.max()),
             "reward_mean": self._last_reward,

@@ -65,6 +65,31 @@ class PlannerConfig:
 
 
 @dataclass
+class HistoryConfig:
+    """History-aware tail batching (``rollpacker.scheduler.history``): prompts whose earlier attempt
+    showed them long skip the short race, and short rounds of prompts seen short over-launch less."""
+
+    enabled: bool = False
+    # predicted long: last seen longer than margin x the short rounds' closing length
+    margin: float = 1.0
+    # over-launch for prompts history predicts short (unseen prompts keep eta_p / eta_r)
+    eta_p_seen: float = 1.1
+    eta_r_seen: float = 1.25
+    # the races' closing length: the median over this many recent short rounds of their longest kept response
+    cutoff_rounds: int = 8
+
+    def validate(self) -> None:
+        if self.margin <= 0:
+            raise ConfigError(f"scheduler.history.margin must be > 0, got {self.margin}")
+        for name in ("eta_p_seen", "eta_r_seen"):
+            if getattr(self, name) < 1.0:
+                raise ConfigError(f"scheduler.history.{name} must be >= 1.0 (a round needs P0 x R0), "
+                                  f"got {getattr(self, name)}")
+        if self.cutoff_rounds < 1:
+            raise ConfigError(f"scheduler.history.cutoff_rounds must be >= 1, got {self.cutoff_rounds}")
+
+
+@dataclass
 class SchedulerConfig:
     mode: Literal["baseline", "tail_batching", "dynamic_sampling"] = "tail_batching"
     p0: int = 128  # prompts per training step
@@ -72,6 +97,7 @@ class SchedulerConfig:
     eta_p: float = 1.25  # prompt over-launch factor in short rounds
     eta_r: float = 1.25  # response over-launch factor in short rounds
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
     idle_poll_s: float = 0.005  # real clock: how long one engine poll may block when nothing finished
 
     def validate(self) -> None:
@@ -84,3 +110,6 @@ class SchedulerConfig:
         for name in ("eta_p", "eta_r"):
             if getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be >= 1.0, got {getattr(self, name)}")
+        self.history.validate()
+        if self.history.enabled and self.mode == "baseline":
+            raise ConfigError("scheduler.history needs a tail-batching mode: the baseline has no short race to skip")

@@ -73,6 +73,7 @@ class RoundRunner:
         self.by_request: dict[str, tuple[_Group, Sample]] = {}
         self.kept: list[list[Sample]] = []
         self.filtered: list[Prompt] = []
+        self.filtered_tokens: list[int] = []
         self.scoring_groups: set[int] = set()  # indices into self.groups with futures pending
         self.handoff = handoff
         self.requests: dict[str, GenerationRequest] = {}
@@ -175,6 +176,7 @@ class RoundRunner:
         group.open.clear()
         if not self.keeps(group.ready):
             self.filtered.append(group.prompt)
+            self.filtered_tokens.append(max(s.num_response_tokens for s in group.ready))
             extra = self.replacement()
             if extra is not None:
                 self._launch(extra)
@@ -214,7 +216,8 @@ class RoundRunner:
             migrated_tokens=self.migrated[1],
             handoff_fraction=self.handoff.fired_at if self.handoff and self.handoff.fired_at is not None else 0.0,
         )
-        return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered, deferred, stats)
+        return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered,
+                           self.filtered_tokens, deferred, stats)
 
 
 def _fill_score(sample: Sample, future: ScoreFuture, now: float) -> None:

@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from rollpacker.sample import Prompt, Sample
+
+
+def over_launch(eta: float, n: int) -> int:
+    """⌈eta·n⌉, robust to float noise (1.1 * 10 is 11.000000000000002)."""
+    return math.ceil(round(eta * n, 9))
 
 
 class RoundKind(str, enum.Enum):
@@ -70,6 +76,7 @@ class RoundResult:
     tp: int
     groups: list[list[Sample]]  # P0 groups of R0 scored samples, in completion order
     filtered: list[Prompt] = field(default_factory=list)
+    filtered_tokens: list[int] = field(default_factory=list)  # each filtered group's longest response
     deferred: list[Prompt] = field(default_factory=list)  # in launch order, now at the back of the queue
     stats: RoundStats = field(default_factory=RoundStats)
 

@@ -9,8 +9,9 @@ Two phases per step so that the program can regroup its ranks in between::
 
 ``state_dict`` is valid between rounds (not between ``plan_round`` and
 ``run_round``, when the planned prompts are in flight): it holds the
-long-prompt queue, the planner and the counters; the data cursor is the
-``PromptSource``'s own state and is saved beside it.
+long-prompt queue, the planner, the counters and, with
+``scheduler.history``, the per-prompt history and the prompts it staged;
+the data cursor is the ``PromptSource``'s own state and is saved beside it.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from typing import Any, Sequence
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import RolloutEngine, SamplingParams
+from rollpacker.scheduler.admission import FreshAdmission, HistoryAdmission
 from rollpacker.scheduler.clock import Clock
 from rollpacker.scheduler.config import SchedulerConfig, TPProfile
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
+from rollpacker.scheduler.history import PromptHistory
 from rollpacker.scheduler.modes import make_policy
 from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import PromptSource, RewardSink
@@ -30,7 +33,7 @@ from rollpacker.scheduler.queue import LongPromptQueue
 from rollpacker.scheduler.race import GroupCallback, RoundRunner
 from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult
 
-_COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred")
+_COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred", "routed")
 
 
 class Scheduler:
@@ -58,7 +61,8 @@ class Scheduler:
         self.sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                        max_new_tokens=rollout.max_response_length,
                                        stop_token_ids=tuple(stop_token_ids), seed=rollout.seed)
-        self.policy = make_policy(cfg)
+        self.history = PromptHistory(cfg.history) if cfg.history.enabled else None
+        self.policy = make_policy(cfg, HistoryAdmission(cfg, self.history) if self.history is not None else FreshAdmission(cfg))
         self.queue = LongPromptQueue()
         self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -68,6 +72,7 @@ class Scheduler:
         if self._pending is not None:
             raise RuntimeError(f"round {self._pending.index} was planned and not run")
         spec = self.policy.next_round(self.queue, self.source)
+        self.counters["routed"] += spec.routed
         tp = self.planner.tp_for(spec.kind, requests=len(spec.prompts) * spec.n_responses,
                                  max_response_tokens=self.sampling.max_new_tokens)
         self._pending = RoundPlan(index=self.counters["rounds"], kind=spec.kind, tp=tp, prompts=tuple(spec.prompts),
@@ -95,6 +100,8 @@ class Scheduler:
         result = runner.run()
         self._pending = None
         self.queue.push(result.deferred)
+        if self.history is not None:
+            self.history.observe(result)
         result.stats.queue_length = len(self.queue)
         s = result.stats
         self.planner.observe(plan.kind, s.preemptions, s.batch_tokens / max(1, len(result.samples)))
@@ -106,11 +113,16 @@ class Scheduler:
         if self._pending is not None:
             raise RuntimeError(f"cannot save while round {self._pending.index} is planned and not run")
         return {"mode": self.cfg.mode, "queue": self.queue.state_dict(), "planner": self.planner.state_dict(),
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "admission": self.policy.state_dict(),
+                **({"history": self.history.state_dict()} if self.history is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["mode"] != self.cfg.mode:
             raise ValueError(f"checkpoint was written in mode {state['mode']!r}, this run is {self.cfg.mode!r}")
         self.queue.load_state_dict(state["queue"])
         self.planner.load_state_dict(state["planner"])
-        self.counters = {k: int(state["counters"][k]) for k in _COUNTERS}
+        # checkpoints written before history existed lack its entries: history starts empty
+        self.counters = {k: int(state["counters"].get(k, 0)) for k in _COUNTERS}
+        self.policy.load_state_dict(state.get("admission", {}))
+        if self.history is not None and "history" in state:
+            self.history.load_state_dict(state["history"])

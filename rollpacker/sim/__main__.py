@@ -3,9 +3,17 @@
     python -m rollpacker.sim --trace lengths.jsonl            # Qwen2.5-14B, 32 GPUs, TP 2, 16k
     python -m rollpacker.sim --model 32b --gpus 64 --limit 32768 --json
     python -m rollpacker.sim --planner                        # per-round-kind TP, online rule
+    python -m rollpacker.sim --epochs 4 --rho 0.9 --history on  # every prompt once per epoch
 
 Without ``--trace`` the lengths come from the parametric long-tail model
 (``rollpacker.sim.traces``). ``--json`` prints the same report as JSON.
+
+``--epochs N`` runs each mode until every prompt has been trained once in
+each of epochs 0..N-1 (served in a new seeded order every epoch) instead of
+a fixed number of rounds, and reports per epoch (``rollpacker.sim.epochs``);
+tail batching runs with or without ``--history``. Without ``--trace`` the
+per-prompt medians move between epochs by ``--rho`` and ``--drift``
+(``multi_epoch_trace``).
 """
 from __future__ import annotations
 
@@ -13,9 +21,11 @@ import argparse
 import json
 import sys
 
+from rollpacker.scheduler.config import HistoryConfig
+from rollpacker.sim.epochs import compare, run_epochs
 from rollpacker.sim.perf import Efficiency
 from rollpacker.sim.run import SimSettings, row_dict, run_mode, summarize
-from rollpacker.sim.traces import TraceError, load_trace, longtail_trace
+from rollpacker.sim.traces import TraceError, epoch_spearman, load_trace, longtail_trace, multi_epoch_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,10 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eta-p", type=float, default=d.eta_p)
     p.add_argument("--eta-r", type=float, default=d.eta_r)
     p.add_argument("--limit", type=int, default=d.limit, help="max response length (tokens)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds per mode")
+    p.add_argument("--rounds", type=int, help=f"rounds per mode (default {d.rounds}; not with --epochs)")
     p.add_argument("--planner", action="store_true", help="tail batching with the parallelism planner")
     p.add_argument("--max-tp", type=int, default=d.max_tp, help="GPUs per node")
     p.add_argument("--seed", type=int, default=d.seed)
+    m = p.add_argument_group("epochs")
+    m.add_argument("--epochs", type=int, help="train every prompt once per epoch for this many epochs")
+    m.add_argument("--history", choices=["on", "off"], help="history-aware tail batching (default off)")
+    m.add_argument("--rho", type=float, help="without --trace: epoch-to-epoch correlation of a prompt's "
+                                             "log median length (default 1.0: the same every epoch)")
+    m.add_argument("--drift", type=float, help="without --trace: growth of log median length per epoch "
+                                               "(default 0.0)")
     g = p.add_argument_group("parametric long-tail model (without --trace)")
     g.add_argument("--num-prompts", type=int, default=2048)
     g.add_argument("--median", type=float, help="median response length; default limit/28")
@@ -52,37 +69,98 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.eta is not None:
         args.eta_p = args.eta_r = args.eta
+    if args.rounds is None and args.epochs is None:
+        args.rounds = d.rounds
     return args
 
 
-def simulate(args: argparse.Namespace) -> dict:
-    settings = SimSettings(
+EPOCH_FLAGS = ("epochs", "history", "rho", "drift")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that would be silently ignored."""
+    if args.epochs is None:
+        given = [f"--{name}" for name in EPOCH_FLAGS[1:] if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --epochs")
+        return
+    if args.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
+    if args.rounds is not None:
+        raise ValueError("--rounds and --epochs exclude each other: --epochs runs until every epoch is trained")
+    if args.trace and (args.rho is not None or args.drift is not None):
+        raise ValueError("--rho and --drift shape the synthetic trace; a --trace file brings its own epochs")
+
+
+def settings_of(args: argparse.Namespace) -> SimSettings:
+    return SimSettings(
         model=args.model, gpus=args.gpus, tp=args.tp, p0=args.p0, r0=args.r0, eta_p=args.eta_p, eta_r=args.eta_r,
-        limit=args.limit, rounds=args.rounds, planner=args.planner, max_tp=args.max_tp, seed=args.seed,
+        limit=args.limit, rounds=args.rounds or SimSettings.rounds, planner=args.planner, max_tp=args.max_tp,
+        seed=args.seed,
         efficiency=Efficiency(bandwidth=args.bandwidth, mfu=args.mfu, step_overhead_s=args.step_overhead_ms / 1e3,
                               allreduce_s=args.allreduce_us / 1e6, mem_fraction=args.mem_fraction))
+
+
+def samples_per_prompt(args: argparse.Namespace) -> int:
+    """Enough samples per prompt for a short round's over-launched responses."""
+    return max(args.r0, -(-int(args.eta_r * args.r0 * 1000) // 1000))
+
+
+def simulate(args: argparse.Namespace) -> dict:
+    check_args(args)
+    if args.epochs is not None:
+        return simulate_epochs(args)
+    settings = settings_of(args)
     if args.trace:
         trace, length_model = load_trace(args.trace), f"trace {args.trace}"
     else:
         median = args.median or args.limit / 28
-        samples = max(args.r0, -(-int(args.eta_r * args.r0 * 1000) // 1000))
-        trace = longtail_trace(args.num_prompts, samples=samples, median=median, limit=args.limit,
+        trace = longtail_trace(args.num_prompts, samples=samples_per_prompt(args), median=median, limit=args.limit,
                                sigma_prompt=args.sigma_prompt, sigma_response=args.sigma_response,
                                prompt_length=args.prompt_length, seed=args.seed)
         length_model = (f"log-normal: median {median:.0f} x exp(N(0,{args.sigma_prompt})) per prompt "
                         f"x exp(N(0,{args.sigma_response})) per response, clipped to {args.limit}")
     baseline = run_mode("baseline", settings, trace)
     tail = run_mode("tail_batching", settings, trace)
+    return {"settings": {k: v for k, v in vars(args).items() if k not in ("json", *EPOCH_FLAGS)},
+            "length_model": length_model, "baseline": [row_dict(r) for r in baseline],
+            "tail_batching": [row_dict(r) for r in tail], "summary": summarize(baseline, tail)}
+
+
+def simulate_epochs(args: argparse.Namespace) -> dict:
+    settings = settings_of(args)
+    if args.trace:
+        trace, length_model = load_trace(args.trace), f"trace {args.trace}"
+    else:
+        median = args.median or args.limit / 28
+        rho, drift = (1.0 if args.rho is None else args.rho), (args.drift or 0.0)
+        trace = multi_epoch_trace(args.num_prompts, args.epochs, samples=samples_per_prompt(args), median=median,
+                                  limit=args.limit, sigma_prompt=args.sigma_prompt,
+                                  sigma_response=args.sigma_response, rho=rho, drift=drift,
+                                  prompt_length=args.prompt_length, seed=args.seed)
+        length_model = (f"log-normal: median {median:.0f} x exp({args.sigma_prompt} z + {drift} epoch) per prompt, "
+                        f"z AR(1) over epochs with rho {rho}, x exp(N(0,{args.sigma_response})) per response, "
+                        f"clipped to {args.limit}")
+    history = HistoryConfig(enabled=args.history == "on")
+    baseline = run_epochs("baseline", settings, trace, args.epochs, shuffle_seed=args.seed)
+    tail = run_epochs("tail_batching", settings, trace, args.epochs, history=history, shuffle_seed=args.seed)
+    try:
+        correlation = epoch_spearman(trace)
+    except ValueError:  # a trace without per-epoch rows, or a single epoch
+        correlation = None
     return {"settings": {k: v for k, v in vars(args).items() if k != "json"}, "length_model": length_model,
-            "baseline": [row_dict(r) for r in baseline], "tail_batching": [row_dict(r) for r in tail],
-            "summary": summarize(baseline, tail)}
+            "epoch_spearman": correlation, **compare(baseline, tail)}
 
 
-def print_report(report: dict) -> None:
+def print_header(report: dict) -> None:
     s = report["settings"]
     print(f"Qwen2.5-{s['model'].upper()} on {s['gpus']} x H800, rollout TP {s['tp']}{' + planner' if s['planner'] else ''}, "
           f"P0={s['p0']} R0={s['r0']} eta_p={s['eta_p']} eta_r={s['eta_r']}, limit {s['limit']}")
     print(f"lengths: {report['length_model']}")
+
+
+def print_report(report: dict) -> None:
+    print_header(report)
     header = f"{'mode':<14}{'round':>6} {'kind':<9}{'tp':>3}{'rollout s':>11}{'bubble':>8}" \
              f"{'gen tok':>11}{'wasted tok':>12}{'preempt':>9}{'queue':>7}"
     print(header)
@@ -99,6 +177,23 @@ def print_report(report: dict) -> None:
     print(f"speedup: amortized {m['speedup']:.2f}x, short rounds {m['short_round_speedup']:.2f}x")
 
 
+def print_epoch_report(report: dict) -> None:
+    print_header(report)
+    if report["epoch_spearman"] is not None:
+        print(f"epoch-to-epoch Spearman of per-prompt mean length: {report['epoch_spearman']:.2f}")
+    tail = f"tail batching{' + history' if report['history'] else ''}"
+    print(f"{'epoch':<7}{'baseline s':>11}{'tail s':>9}{'speedup':>9}{'wasted b':>10}{'wasted t':>10}"
+          f"{'trained':>9}{'rounds b/t':>12}")
+    rows = [(str(r["epoch"]), r) for r in report["per_epoch"]] + [("total", report["total"])]
+    for name, r in rows:
+        b, t = r["baseline"], r["tail_batching"]
+        print(f"{name:<7}{b['rollout_seconds']:>11.0f}{t['rollout_seconds']:>9.0f}{r['speedup']:>8.2f}x"
+              f"{b['wasted_token_fraction']:>10.1%}{t['wasted_token_fraction']:>10.1%}{t['trained_prompts']:>9}"
+              f"{b['rounds']:>6.1f}/{t['rounds']:<5.1f}")
+    print(f"baseline vs {tail}: same prompts trained per epoch: {report['same_prompts']}; "
+          f"prompts history routed to the long queue: {report['routed']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -109,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
+    elif args.epochs is not None:
+        print_epoch_report(report)
     else:
         print_report(report)
     return 0

@@ -8,8 +8,8 @@ from typing import Any
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, RoundKind, RoundStats, Scheduler, VirtualClock
-from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
+from rollpacker.scheduler import ListPromptSource, RoundKind, RoundResult, RoundStats, Scheduler, VirtualClock
+from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.sim.engine import SimEngine
 from rollpacker.sim.perf import H800, QWEN25, Efficiency, PerfModel
 from rollpacker.sim.reward import SimRewardSink
@@ -50,28 +50,49 @@ class RoundRow:
     max_over_median: float  # longest / median response length generated into the batch
 
 
+class SimCluster:
+    """The real ``Scheduler`` of one mode over modeled engines on a fresh virtual clock.
+
+    ``history`` configures history-aware tail batching (modes other than the
+    baseline); ``shuffle_seed`` serves each epoch of the trace in its own
+    seeded order (None: trace order every epoch); ``last_epoch``: see
+    ``LengthOracle``.
+    """
+
+    def __init__(self, mode: str, settings: SimSettings, trace: list[PromptLengths], *,
+                 history: HistoryConfig | None = None, shuffle_seed: int | None = None,
+                 last_epoch: int | None = None) -> None:
+        settings.validate()
+        self.settings = settings
+        self.model = QWEN25[settings.model]
+        self.clock = VirtualClock()
+        self.oracle = LengthOracle(trace, seed=settings.seed, last_epoch=last_epoch)
+        source = ListPromptSource([Prompt(uid=i, input_ids=[0] * p.prompt_length, data_source="trace")
+                                   for i, p in enumerate(trace)], shuffle_seed=shuffle_seed)
+        planner_on = settings.planner and mode != "baseline"
+        cfg = SchedulerConfig(mode=mode, p0=settings.p0, r0=settings.r0, eta_p=settings.eta_p, eta_r=settings.eta_r,
+                              planner=PlannerConfig(enabled=planner_on, short_tp=settings.tp, long_tp=settings.tp,
+                                                    max_tp=settings.max_tp),
+                              history=history or HistoryConfig())
+        rollout = RolloutConfig(tp=settings.tp, max_response_length=settings.limit)
+        profile = modeled_profile(settings) if planner_on else ()
+        self.scheduler = Scheduler(cfg, rollout, source, rollout_ranks=settings.gpus, profile=profile)
+        self.reward = SimRewardSink(self.clock)
+
+    def run_round(self) -> RoundResult:
+        plan = self.scheduler.plan_round()
+        perf = PerfModel(self.model, H800, plan.tp, self.settings.efficiency)
+        engines = [SimEngine(perf, self.clock, self.oracle, engine_id=i)
+                   for i in range(self.settings.gpus // plan.tp)]
+        return self.scheduler.run_round(plan, engines, self.reward, clock=self.clock)
+
+
 def run_mode(mode: str, settings: SimSettings, trace: list[PromptLengths]) -> list[RoundRow]:
     """``settings.rounds`` rounds of ``mode`` over the trace (cycled), on a fresh virtual clock."""
-    settings.validate()
-    model = QWEN25[settings.model]
-    clock = VirtualClock()
-    oracle = LengthOracle(trace, seed=settings.seed)
-    source = ListPromptSource([Prompt(uid=i, input_ids=[0] * p.prompt_length, data_source="trace")
-                               for i, p in enumerate(trace)])
-    planner_on = settings.planner and mode != "baseline"
-    cfg = SchedulerConfig(mode=mode, p0=settings.p0, r0=settings.r0, eta_p=settings.eta_p, eta_r=settings.eta_r,
-                          planner=PlannerConfig(enabled=planner_on, short_tp=settings.tp, long_tp=settings.tp,
-                                                max_tp=settings.max_tp))
-    rollout = RolloutConfig(tp=settings.tp, max_response_length=settings.limit)
-    profile = modeled_profile(settings) if planner_on else ()
-    scheduler = Scheduler(cfg, rollout, source, rollout_ranks=settings.gpus, profile=profile)
-    reward = SimRewardSink(clock)
+    cluster = SimCluster(mode, settings, trace)
     rows = []
     for _ in range(settings.rounds):
-        plan = scheduler.plan_round()
-        perf = PerfModel(model, H800, plan.tp, settings.efficiency)
-        engines = [SimEngine(perf, clock, oracle, engine_id=i) for i in range(settings.gpus // plan.tp)]
-        result = scheduler.run_round(plan, engines, reward, clock=clock)
+        result = cluster.run_round()
         lengths = sorted(s.num_response_tokens for s in result.samples)
         rows.append(RoundRow(result.index, result.kind.value, result.tp, result.stats,
                              lengths[-1] / max(1.0, statistics.median(lengths))))

@@ -1,6 +1,7 @@
 """Round policies, one per ``SchedulerConfig.mode``."""
 from __future__ import annotations
 
+from rollpacker.scheduler.admission import FreshAdmission
 from rollpacker.scheduler.config import SchedulerConfig
 from rollpacker.scheduler.modes.base import RoundPolicy, RoundSpec
 from rollpacker.scheduler.modes.baseline import BaselinePolicy
@@ -14,8 +15,8 @@ _POLICIES: dict[str, type[RoundPolicy]] = {
 }
 
 
-def make_policy(cfg: SchedulerConfig) -> RoundPolicy:
-    return _POLICIES[cfg.mode](cfg)
+def make_policy(cfg: SchedulerConfig, admission: FreshAdmission) -> RoundPolicy:
+    return _POLICIES[cfg.mode](cfg, admission)
 
 
 __all__ = ["RoundPolicy", "RoundSpec", "BaselinePolicy", "TailBatchingPolicy", "DynamicSamplingPolicy",

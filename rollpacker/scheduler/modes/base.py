@@ -8,11 +8,11 @@ extras and leftovers, and deferring unfinished prompts to the queue.
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from rollpacker.sample import Prompt, Sample
+from rollpacker.scheduler.admission import FreshAdmission
 from rollpacker.scheduler.config import SchedulerConfig
 from rollpacker.scheduler.protocols import PromptSource
 from rollpacker.scheduler.queue import LongPromptQueue
@@ -24,16 +24,15 @@ class RoundSpec:
     kind: RoundKind
     prompts: list[Prompt]
     n_responses: int
-
-
-def over_launch(eta: float, n: int) -> int:
-    """⌈eta·n⌉, robust to float noise (1.1 * 10 is 11.000000000000002)."""
-    return math.ceil(round(eta * n, 9))
+    routed: int = 0  # prompts history sent to the long-prompt queue while choosing this round
 
 
 class RoundPolicy(abc.ABC):
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    """``admission`` picks a short round's fresh prompts (modes without short rounds ignore it)."""
+
+    def __init__(self, cfg: SchedulerConfig, admission: FreshAdmission) -> None:
         self.cfg = cfg
+        self.admission = admission
 
     @abc.abstractmethod
     def next_round(self, queue: LongPromptQueue, source: PromptSource) -> RoundSpec:
@@ -46,3 +45,9 @@ class RoundPolicy(abc.ABC):
     def replacement(self, kind: RoundKind, queue: LongPromptQueue, source: PromptSource) -> Prompt | None:
         """A prompt to launch in place of a filtered group, or None."""
         return None
+
+    def state_dict(self) -> dict:
+        return self.admission.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.admission.load_state_dict(state)
