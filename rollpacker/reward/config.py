@@ -23,9 +23,9 @@ class RewardConfig:
     code_file_size_mb: int = 16  # largest file a sandboxed program may write
     code_max_processes: int = 16  # process-count limit (enforced by the kernel for non-root uids)
     code_output_limit_bytes: int = 1 << 20
-    # As root, sandboxed programs of worker i run as uid sandbox_uid + i if that uid can execute
-    # the interpreter; otherwise (or with None) they stay root inside private PID/mount/network
-    # namespaces.  Unprivileged pools keep their uid either way.
+    # As root, sandboxed programs of worker i run as uid sandbox_uid + i (uids nothing else may
+    # use), never as root: with None, or where that cannot be arranged, code samples are refused
+    # (scored "error").  Unprivileged pools keep their uid either way.  See reward/sandbox.py.
     sandbox_uid: int | None = 61000
     async_scoring: bool = True  # score each response as it finishes (False: after rollout)
 

@@ -5,9 +5,10 @@ It installs an audit hook, which Python cannot remove, and then runs
 policy layer: it turns network use, process creation, signals to other
 processes, writes outside the working directory and peeking at other
 processes through /proc into an immediate exit with VIOLATION_EXIT and a
-``SANDBOX_VIOLATION:`` line on stderr.  The kernel-level limits (rlimits,
-network namespace, session kill, dropped uid) set by ``sandbox.py`` are the
-boundary that holds even against code that gets past the hook.
+``SANDBOX_VIOLATION:`` line on stderr.  The kernel-level limits set by
+``sandbox.py`` (a non-root uid, so that its rlimits and file permissions bind,
+read-only mounts, network namespace, session kill) are the boundary that holds
+even against code that gets past the hook.
 
 The hook keeps its own references to the few functions it calls, bound as
 default arguments, so a program that rebinds ``os._exit`` cannot disarm it.
