@@ -33,18 +33,15 @@ import dataclasses
 import json
 import math
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from bench.results import REPO, write_results
 from rollpacker.scheduler.config import HistoryConfig
 from rollpacker.sim.epochs import EpochRun, compare, run_epochs
 from rollpacker.sim.run import SimSettings
 from rollpacker.sim.traces import calibrate_rho, epoch_spearman, multi_epoch_trace
 
-REPO = Path(__file__).resolve().parent.parent
 LONGTAIL = {"sigma_prompt": 0.8, "sigma_response": 0.65}
 FLAT = {"sigma_prompt": 0.0, "sigma_response": math.hypot(0.8, 0.65)}
 CASES = [  # name, length model, target realized Spearman (None: rho = 1), log drift per epoch
@@ -156,11 +153,6 @@ def print_table(results: dict[str, Any]) -> None:
           f"batching; rs: realized epoch-to-epoch Spearman; {results['wall_seconds']:.0f} s")
 
 
-def git(*argv: str) -> str | None:
-    proc = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
 def main() -> None:
     args = parse_args()
     history = HistoryConfig(enabled=True, margin=args.history_margin, eta_p_seen=args.eta_p_seen,
@@ -168,16 +160,11 @@ def main() -> None:
     history.validate()
     start = time.monotonic()
     cases = [run_case(args, history, *case) for case in CASES if not args.cases or case[0] in args.cases]
-    status = git("status", "--porcelain", "--untracked-files=no")
-    results = {"command": " ".join(["python -m bench.bench_history", *sys.argv[1:]]),
-               "git_head": git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status),  # uncommitted changes ran too
-               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "json")},
+    results = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "json")},
                "history": dataclasses.asdict(history),
                "wall_seconds": time.monotonic() - start, "cases": cases}
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        results = {**json.loads(write_results(args.out, results).read_text())}
     if args.json:
         print(json.dumps(results, indent=1))
     else:

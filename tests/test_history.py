@@ -89,25 +89,42 @@ def bimodal(uid, epoch, index, attempt):
 
 
 def test_history_reorders_prompts_and_removes_the_failed_attempts():
-    runs = {on: Run(bimodal, history=on) for on in (False, True)}
+    runs = {on: Run(bimodal, history=on, margin=1.0) for on in (False, True)}
     trained = {on: run.until_trained(3) for on, run in runs.items()}
     for on, done in trained.items():  # the ledger: each prompt of each epoch trained once, with history or not
         complete = {k: n for k, n in done.items() if k[1] < 3}
         assert complete == {(p.uid, e): 1 for p in runs[on].prompts for e in range(3)}
     hist = runs[True]
-    # from the second epoch on, the long prompts skip the race: they are launched only in long rounds
+    admission = hist.scheduler.policy.admission
+    # from the second epoch on, the long prompts skip the race (but for the probes): only long rounds launch them
     late = [(plan, result) for plan, result in hist.rounds if min(p.epoch for p in plan.prompts) >= 1]
     assert late
-    for plan, result in late:
-        if plan.kind is RoundKind.SHORT:
-            assert all(p.uid % 4 for p in plan.prompts), [p.uid for p in plan.prompts]
-            assert len(plan.prompts) == 9  # seen prompts over-launch by eta_p_seen 1.1, not 1.25
-    assert hist.scheduler.counters["routed"] >= 8  # at least the 8 long prompts of epoch 1
+    raced_long = [p for plan, _ in late if plan.kind is RoundKind.SHORT for p in plan.prompts if p.uid % 4 == 0]
+    assert all(admission._is_probe(p) for p in raced_long), raced_long
+    assert all(len(plan.prompts) <= 10 for plan, _ in late)  # routed prompts fill the over-launch budget
+    assert hist.scheduler.counters["routed"] >= 8 - len(raced_long)  # the long prompts of epoch 1
+    assert hist.scheduler.history.routing and hist.scheduler.history.precision > 0.9  # probes lost their races
     assert runs[False].scheduler.counters["routed"] == 0
     # history changes the order, not what is generated per trained response: less waste, same prompts
-    assert hist.waste(late) < 0.1 < runs[False].waste()
+    assert hist.waste(late) < 0.5 * runs[False].waste()
     assert sum(r.stats.rollout_seconds for _, r in hist.rounds) < sum(
         r.stats.rollout_seconds for _, r in runs[False].rounds)
+
+
+def test_routing_pauses_where_lengths_do_not_carry_over():
+    """Long or short at random each epoch: probes lose no more than other racers, so routing stops."""
+
+    def coin(uid, epoch, index, attempt):
+        rng = random.Random(f"{uid}/{epoch}/{index}/{attempt}")
+        return int((2400 if random.Random(f"{uid}/{epoch}").random() < 0.25 else 200) * rng.uniform(0.7, 1.3))
+
+    runs = {on: Run(coin, history=on, probe_fraction=0.1) for on in (False, True)}
+    for run in runs.values():
+        run.until_trained(6)
+    history = runs[True].scheduler.history
+    assert not history.routing and history.precision < 0.5
+    seconds = {on: sum(r.stats.rollout_seconds for _, r in run.rounds) for on, run in runs.items()}
+    assert seconds[True] < 1.05 * seconds[False]
 
 
 def test_a_prompt_that_became_short_is_trained_in_its_epoch():
@@ -116,7 +133,7 @@ def test_a_prompt_that_became_short_is_trained_in_its_epoch():
     def changing(uid, epoch, index, attempt):
         return 3000 if uid < 8 and epoch == 0 else 200
 
-    run = Run(changing, history=True)
+    run = Run(changing, history=True, probe_fraction=0.0)
     trained = run.until_trained(3)
     assert all(trained[p.uid, e] == 1 for p in run.prompts for e in range(3))
     long_epoch1 = {p.uid for plan, _ in run.rounds if plan.kind is RoundKind.LONG for p in plan.prompts if p.epoch == 1}
@@ -131,9 +148,10 @@ def test_a_prompt_that_became_short_is_trained_in_its_epoch():
 def test_no_prompt_waits_more_than_the_queue_ahead_of_it():
     """Half the prompts predicted long, more than a round's worth: routing stops at a full queue and the long
     round runs. A routed prompt is trained within two rounds of being drawn; any queued prompt within P0 + 1
-    (every short round over-launches, so it defers at least one prompt: the queue fills within P0 rounds)."""
+    (every short round sends its whole over-launch budget, at least one prompt, to the queue: routed or
+    deferred; so the queue fills within P0 rounds)."""
     run = Run(lambda uid, epoch, index, attempt: 3000 if uid < 6 and epoch == 0 else 100, history=True, p0=4,
-              num_prompts=12)
+              num_prompts=12, margin=1.0, probe_fraction=0.0)
     drawn_at: dict = {}
     take = run.source.take
     run.source.take = lambda n: [drawn_at.setdefault((p.uid, p.epoch), len(run.rounds)) and p or p for p in take(n)]
@@ -173,7 +191,7 @@ def test_state_dict_round_trip_resumes_exactly():
         assert [[s.request_id for s in g] for g in ra.groups] == [[s.request_id for s in g] for g in rb.groups]
     assert resumed.scheduler.counters == reference.scheduler.counters
     a, b = reference.scheduler.history.state_dict(), resumed.scheduler.history.state_dict()
-    assert a["closings"] == b["closings"] and all(torch.equal(a[k], b[k]) for k in a if k != "closings")
+    assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 def test_ledger_with_history_and_dynamic_sampling_across_epochs():

@@ -1,14 +1,22 @@
 """Which fresh prompts a short round races, and how many responses each gets.
 
 ``FreshAdmission`` is tail batching as published: the next ⌈η_P·P0⌉ prompts
-of the data, ⌈η_R·R0⌉ responses each. ``HistoryAdmission`` reads the
-``PromptHistory``: a prompt predicted long skips the race and joins the
-long-prompt queue at once (it would only have lost the race and been
-regenerated from scratch there), and the over-launch shrinks to
-``eta_p_seen`` / ``eta_r_seen`` for the share of the round history predicts
-short. Both only reorder prompts: every prompt taken from the source is
-launched, queued or staged, and trained once, with the weights of the step
-that trains it.
+of the data, ⌈η_R·R0⌉ responses each. Its ⌈η_P·P0⌉ - P0 extra prompts are
+the round's *budget* for the long-prompt queue: that many racers lose and
+are deferred, their partial responses thrown away.
+
+``HistoryAdmission`` reads the ``PromptHistory``: a prompt predicted long
+skips the race and joins the long-prompt queue at once, and fills the
+budget in place of a racer that would have been deferred; the round
+over-launches only what is left of the budget, but at least ``eta_p_seen``.
+The queue therefore fills at tail batching's pace (long rounds stay as
+rare), while the prompts sent there generate nothing they throw away.
+Responses per prompt are ⌈η⌉·R0 with η weighted between ``eta_r`` (unseen
+prompts) and ``eta_r_seen``. A share of predicted-long prompts races anyway
+as probes (``PromptHistory.precision``); routing pauses while they show the
+prediction wrong. Both admissions only reorder prompts: every prompt taken
+from the source is launched, queued or staged, and trained once, with the
+weights of the step that trains it.
 
 Bounded deferral: a routed prompt waits in the FIFO queue like a deferred
 one, and a long round runs as soon as the queue holds P0 prompts (routing
@@ -19,6 +27,7 @@ the routing of one short round.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -63,27 +72,31 @@ class HistoryAdmission(FreshAdmission):
     def short_round(self, queue: LongPromptQueue, source: PromptSource) -> ShortPick:
         candidates, routed = self._staged, 0
         self._staged = []
-        while len(candidates) < self._launch_count(candidates):
+        while len(candidates) < self._launch_count(routed):
             if len(queue) >= self.cfg.p0:
                 self._staged = candidates
                 return ShortPick([], self.cfg.r0, routed)
             prompt = source.take(1)[0]
             if self.history.predicts_long(prompt.uid):
-                queue.push([prompt])
-                routed += 1
-            else:
-                candidates.append(prompt)
+                if self.history.routing and not self._is_probe(prompt):
+                    queue.push([prompt])
+                    routed += 1
+                    continue
+                self.history.probe(prompt)
+            candidates.append(prompt)
         unseen = self._unseen_share(candidates)
         eta_r = unseen * self.cfg.eta_r + (1 - unseen) * self.cfg.history.eta_r_seen
         return ShortPick(candidates, max(self.cfg.r0, over_launch(eta_r, self.cfg.r0)), routed)
 
-    def _launch_count(self, candidates: Sequence[Prompt]) -> int:
-        """P0 plus the over-launch of the first P0 candidates: η_P for unseen, ``eta_p_seen`` for the others."""
+    def _launch_count(self, routed: int) -> int:
+        """P0 plus what ``routed`` left of the over-launch budget, at least ``eta_p_seen``'s."""
         p0 = self.cfg.p0
-        if len(candidates) < p0:
-            return p0
-        unseen = self._unseen_share(candidates[:p0])
-        return max(p0, over_launch(unseen * self.cfg.eta_p + (1 - unseen) * self.cfg.history.eta_p_seen, p0))
+        budget = over_launch(self.cfg.eta_p, p0) - p0
+        return p0 + max(over_launch(self.cfg.history.eta_p_seen, p0) - p0, budget - routed)
+
+    def _is_probe(self, prompt: Prompt) -> bool:
+        """A fixed ``probe_fraction`` of (prompt, epoch) pairs, the same on every rank and after a restart."""
+        return zlib.crc32(f"{prompt.uid}:{prompt.epoch}".encode()) % 10_000 < self.cfg.history.probe_fraction * 10_000
 
     def _unseen_share(self, prompts: Sequence[Prompt]) -> float:
         return sum(not self.history.seen(p.uid) for p in prompts) / len(prompts)

@@ -67,16 +67,21 @@ class PlannerConfig:
 @dataclass
 class HistoryConfig:
     """History-aware tail batching (``rollpacker.scheduler.history``): prompts whose earlier attempt
-    showed them long skip the short race, and short rounds of prompts seen short over-launch less."""
+    showed them long skip the short race and fill the over-launch budget in place of racers."""
 
     enabled: bool = False
     # predicted long: last seen longer than margin x the short rounds' closing length
-    margin: float = 1.0
-    # over-launch for prompts history predicts short (unseen prompts keep eta_p / eta_r)
-    eta_p_seen: float = 1.1
+    margin: float = 2.0
+    # the over-launch left when routed prompts fill the eta_p budget (1.0: none)
+    eta_p_seen: float = 1.0
+    # response over-launch for prompts history has seen (unseen prompts keep eta_r)
     eta_r_seen: float = 1.25
     # the races' closing length: the median over this many recent short rounds of their longest kept response
     cutoff_rounds: int = 8
+    # share of predicted-long prompts raced anyway, to measure how often the prediction is right
+    probe_fraction: float = 0.1
+    # routing pauses while probes lose their race less often than this
+    min_precision: float = 0.5
 
     def validate(self) -> None:
         if self.margin <= 0:
@@ -87,6 +92,9 @@ class HistoryConfig:
                                   f"got {getattr(self, name)}")
         if self.cutoff_rounds < 1:
             raise ConfigError(f"scheduler.history.cutoff_rounds must be >= 1, got {self.cutoff_rounds}")
+        for name in ("probe_fraction", "min_precision"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"scheduler.history.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass

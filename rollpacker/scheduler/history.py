@@ -43,8 +43,11 @@ _COLUMNS = {  # name: (dtype, value of a prompt never seen)
 BYTES_PER_PROMPT = sum(np.dtype(dtype).itemsize for dtype, _ in _COLUMNS.values())
 
 
+PROBE_MEMORY = 50  # probes: the precision estimate forgets older ones with weight 1 - 1/PROBE_MEMORY each
+
+
 class PromptHistory:
-    """Per-prompt records and the short rounds' closing length.
+    """Per-prompt records, the short rounds' closing length, and how well routing predicts.
 
     A short round closes when its P0-th group completes; its longest kept
     response is how long a prompt could take and still win. ``cutoff`` is the
@@ -53,12 +56,21 @@ class PromptHistory:
     the over-launch absorbs) closes an order of magnitude later than the
     next. A prompt whose last group took longer than ``margin`` x ``cutoff``
     would lose the race now, so it is predicted long.
+
+    Whether the prediction is worth acting on is measured, not assumed: a
+    share of the predicted-long prompts (``probe_fraction``; all of them
+    while routing is paused) race anyway, and ``precision`` is how often such
+    a *probe* proved long (a Beta(1, 0) prior, then a moving average over
+    about ``PROBE_MEMORY`` probes). Where lengths do not carry over between
+    epochs, probes lose about as often as any racer and routing pauses.
     """
 
     def __init__(self, cfg: HistoryConfig) -> None:
         self.cfg = cfg
         self._cols = {name: np.full(0, fill, dtype) for name, (dtype, fill) in _COLUMNS.items()}
         self._closings: list[int] = []  # of the last ``cutoff_rounds`` short rounds, oldest first
+        self._probes: set[tuple[int, int]] = set()  # (uid, epoch) of probes not yet raced
+        self._probe_counts = [1.0, 1.0]  # probes that lost, probes raced (decayed; the prior counts one lost)
 
     @property
     def cutoff(self) -> float:
@@ -90,12 +102,25 @@ class PromptHistory:
             return True
         return self.cutoff > 0 and self.length(uid) > self.cfg.margin * self.cutoff
 
+    @property
+    def precision(self) -> float:
+        return self._probe_counts[0] / self._probe_counts[1]
+
+    @property
+    def routing(self) -> bool:
+        return self.precision >= self.cfg.min_precision
+
+    def probe(self, prompt: Prompt) -> None:
+        """``prompt`` is predicted long and races anyway: its race tells whether the prediction holds."""
+        self._probes.add((prompt.uid, prompt.epoch))
+
     def observe(self, result: RoundResult) -> None:
         """Record what ``result`` showed about every prompt it launched."""
         kept_outcome = Outcome.SHORT if result.kind is RoundKind.SHORT else Outcome.LONG
         if result.kind is RoundKind.SHORT and result.groups:
             self._closings = [*self._closings, max(s.num_response_tokens for s in result.samples)]
             self._closings = self._closings[-self.cfg.cutoff_rounds:]
+            self._score_probes(result)
         for group in result.groups:
             self._record(group[0].prompt, kept_outcome, _longest(group), _slowest_score(group))
         for prompt, tokens in zip(result.filtered, result.filtered_tokens):
@@ -105,12 +130,27 @@ class PromptHistory:
 
     def state_dict(self) -> dict[str, Any]:
         # tensors, so that a checkpoint of the scheduler loads with torch.load(weights_only=True)
-        return {"closings": list(self._closings),
+        return {"closings": list(self._closings), "probes": sorted(self._probes),
+                "probe_counts": list(self._probe_counts),
                 **{name: torch.from_numpy(col.copy()) for name, col in self._cols.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._closings = [int(n) for n in state["closings"]]
+        self._probes = {(int(uid), int(epoch)) for uid, epoch in state["probes"]}
+        self._probe_counts = [float(n) for n in state["probe_counts"]]
         self._cols = {name: state[name].numpy().astype(dtype, copy=True) for name, (dtype, _) in _COLUMNS.items()}
+
+    def _score_probes(self, result: RoundResult) -> None:
+        """A probe proved long if it lost its race or, kept (a round without over-launch keeps every
+        prompt), took longer than ``margin`` x the closing length."""
+        threshold = self.cfg.margin * self.cutoff
+        outcomes = {(p.uid, p.epoch): True for p in result.deferred}
+        outcomes.update(((g[0].prompt.uid, g[0].prompt.epoch), _longest(g) > threshold) for g in result.groups)
+        outcomes.update(((p.uid, p.epoch), n > threshold) for p, n in zip(result.filtered, result.filtered_tokens))
+        keep = 1 - 1 / PROBE_MEMORY
+        for key in self._probes & outcomes.keys():
+            self._probes.discard(key)
+            self._probe_counts = [keep * self._probe_counts[0] + outcomes[key], keep * self._probe_counts[1] + 1]
 
     @property
     def _size(self) -> int:
