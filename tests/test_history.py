@@ -229,6 +229,6 @@ def test_history_is_compact_and_refuses_bad_configs(tmp_path):
         with pytest.raises(ConfigError, match=match):
             SchedulerConfig(**bad).validate()
     cfg = load_config("configs/tiny-cpu.yaml", ["scheduler.history.enabled=true", "scheduler.history.margin=1.2"])
-    assert cfg.scheduler.history == HistoryConfig(enabled=True, margin=1.2)
+    assert cfg.scheduler.history == HistoryConfig(enabled=True, margin=1.2, eta_r_seen=1.0)
     with pytest.raises(ConfigError, match="eta_r_seen"):
         load_config("configs/tiny-cpu.yaml", ["scheduler.history.eta_r_seen=0.5"])
