@@ -70,8 +70,8 @@ def saturated_throughput(engine: ReferenceEngine, dataset: PromptDataset, reques
 MODES = {"baseline": ("baseline", False), "tail_batching": ("tail_batching", False), "history": ("tail_batching", True)}
 
 
-def make_scheduler(mode: str, args: argparse.Namespace, tokenizer, rollout: RolloutConfig) -> Scheduler:
-    dataset = PromptDataset([args.data], tokenizer, max_prompt_length=256, seed=args.seed)
+def make_scheduler(mode: str, args: argparse.Namespace, data: str, tokenizer, rollout: RolloutConfig) -> Scheduler:
+    dataset = PromptDataset([data], tokenizer, max_prompt_length=256, seed=args.seed)
     scheduler_mode, history = MODES[mode]
     cfg = SchedulerConfig(mode=scheduler_mode, p0=args.p0, r0=args.r0, eta_p=args.eta, eta_r=args.eta,
                           planner=PlannerConfig(enabled=False),
@@ -148,7 +148,7 @@ def main() -> None:
     if (args.epochs is None) != (args.prompts is None) or (args.epochs and args.epochs * args.prompts % args.p0):
         raise SystemExit("--epochs and --prompts go together, and epochs x prompts must be a multiple of --p0")
     rounds = args.epochs * args.prompts // args.p0 if args.epochs else 5 * args.cycles
-    args.data = training_split(args.data, args.prompts)
+    data = training_split(args.data, args.prompts)
     if not (Path(args.policy) / "config.json").is_file():
         raise SystemExit(f"{args.policy} has no config.json: make the policy with "
                          "python -m rollpacker.examples.make_policy")
@@ -160,12 +160,12 @@ def main() -> None:
                             max_running_requests=1024)
     engine = ReferenceEngine(args.policy, rollout)
     concurrency = over_launch(args.eta, args.p0) * over_launch(args.eta, args.r0)
-    probe = PromptDataset([args.data], tokenizer, max_prompt_length=256)
+    probe = PromptDataset([data], tokenizer, max_prompt_length=256)
     throughputs = [saturated_throughput(engine, probe, concurrency, min(args.limit, 64))]
     print(f"  {'mode':<14}{'round':>4} {'kind':<9}{'rollout s':>9}{'bubble':>8}{'gen tok':>9}{'wasted':>9}{'preempt':>6}"
           f"{'reward s':>9}{'exposed':>9}")
     runs: dict[str, list[RoundResult]] = {mode: [] for mode in MODES if mode != "history" or args.history}
-    schedulers = {mode: make_scheduler(mode, args, tokenizer, rollout) for mode in runs}
+    schedulers = {mode: make_scheduler(mode, args, data, tokenizer, rollout) for mode in runs}
     with RewardPool(RewardConfig(num_workers=1)) as pool:
         sink = PoolRewardSink(pool, tokenizer)
         pool.wait_ready(60)
