@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from rollpacker.examples.policy_report import evaluate_policy, report_from_lengths, spearman
+from rollpacker.examples.policy_report import evaluate_policy, report_from_lengths
+from rollpacker.stats import spearman
 from rollpacker.examples.task import MAX_STEPS, TASK_NAME
 from rollpacker.testing import REPO_ROOT
 

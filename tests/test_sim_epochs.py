@@ -15,7 +15,8 @@ from rollpacker.sim.__main__ import main
 from rollpacker.sim.epochs import FIGURES, compare, run_epochs
 from rollpacker.sim.run import SimSettings
 from rollpacker.sim.traces import (LengthOracle, PromptLengths, TraceError, calibrate_rho, epoch_spearman,
-                                   load_trace, multi_epoch_trace, parse_request_id, per_epoch, spearman)
+                                   load_trace, multi_epoch_trace, parse_request_id, per_epoch)
+from rollpacker.stats import spearman
 
 MODEL = dict(samples=10, median=600.0, limit=16384)
 

@@ -25,6 +25,7 @@ import torch
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.examples.task import score_response
 from rollpacker.sample import Prompt
+from rollpacker.stats import spearman
 
 
 @dataclass(frozen=True)
@@ -42,31 +43,6 @@ class PolicyReport:
                 f"pass@1 {self.pass_at_1:.3f}, median length {self.median_length:.0f}, "
                 f"max length {self.max_length}, max/median {self.max_over_median:.1f}, "
                 f"length Spearman (halves) {self.length_spearman:.3f}")
-
-
-def _ranks(values: list[float]) -> list[float]:
-    """Ranks 1..n, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    if len(x) != len(y) or len(x) < 2:
-        raise ValueError(f"spearman needs two equal-length lists of >= 2 values, got {len(x)} and {len(y)}")
-    rx, ry = _ranks(x), _ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var > 0 else 0.0
 
 
 def report_from_lengths(lengths: list[list[int]], correct: list[list[bool]]) -> PolicyReport:
