@@ -67,11 +67,14 @@ class CheckpointManager:
 
     # --- save / load -----------------------------------------------------
     def save(self, step: int, rank_state: dict[str, Any], shared_state: dict[str, Any] | None = None,
-             export: Callable[[Path], None] | None = None) -> Path:
+             export: Callable[[Path], None] | None = None, before_commit: Callable[[], None] | None = None) -> Path:
         """Collective over ``group``: every rank passes its own state; rank 0 also the shared state.
 
         ``export(dir)``, when given, is called on every rank to write more files into the
         checkpoint (the HF export of the policy) before it is marked complete.
+        ``before_commit()``, when given, is called on every rank once every file is written and
+        before the checkpoint is marked complete: a record of the step written there (the ledger,
+        the metrics) is never missing from a run resumed from this checkpoint.
         """
         final, tmp = self.path(step), self.path(step).with_name(self.path(step).name + ".tmp")
         if self.rank == 0:
@@ -84,6 +87,8 @@ class CheckpointManager:
         if export is not None:
             export(tmp)
         self._barrier()
+        if before_commit is not None:
+            before_commit()
         if self.rank == 0:
             (tmp / "COMPLETE").write_text(f"{step}\n")
             shutil.rmtree(final, ignore_errors=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch.distributed as dist
@@ -139,28 +139,39 @@ class Run:
         spans = self.timeline.gather(self.world.control)
         stop = self.ckpt.any_stop_requested()
         every = self.cfg.run.save_every
+
+        def record(checkpoint_started: float | None = None) -> None:
+            # Written before the step's checkpoint is marked complete: a kill after the commit would
+            # otherwise resume past a step that the ledger and metrics lack (a resume drops the lines
+            # of steps after its checkpoint, so writing them early is safe).
+            if checkpoint_started is not None:  # the checkpoint's files, written
+                self.seconds["time/checkpoint_s"] = time.monotonic() - checkpoint_started
+            self.seconds["time/step_s"] = time.monotonic() - self._step_started  # wall time, checkpoint included
+            if self.coordinator:
+                image = plot_timeline(spans, self.run_dir / "timeline" / f"step_{step:06d}.png", f"step {step}")
+                self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
+                self.metrics.log(step, self._step_metrics(result, train_metrics), timeline=image)
+                s = result.stats
+                log.info("step %d/%d %s tp=%d rollout %.1fs reward %.3f loss %.4f queue %d", step,
+                         self.cfg.run.steps, result.kind.value, result.tp, s.rollout_seconds, self._last_reward,
+                         train_metrics.get("loss", 0.0), s.queue_length)
+
         if stop or (every and step % every == 0) or step == self.cfg.run.steps:
-            with self._timed("checkpoint"):
-                self.save(step)
-        self.seconds["time/step_s"] = time.monotonic() - self._step_started  # wall time, checkpoint included
-        if self.coordinator:
-            image = plot_timeline(spans, self.run_dir / "timeline" / f"step_{step:06d}.png", f"step {step}")
-            self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
-            self.metrics.log(step, self._step_metrics(result, train_metrics), timeline=image)
-            s = result.stats
-            log.info("step %d/%d %s tp=%d rollout %.1fs reward %.3f loss %.4f queue %d", step, self.cfg.run.steps,
-                     result.kind.value, result.tp, s.rollout_seconds, self._last_reward, train_metrics.get("loss", 0.0),
-                     s.queue_length)
+            with self.timeline.span("checkpoint"):
+                started = time.monotonic()
+                self.save(step, before_commit=lambda: record(started))
+        else:
+            record()
         self.seconds = {}
         return stop
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, before_commit: Callable[[], None] | None = None) -> None:
         shared = None
         if self.coordinator:
             shared = {"step": step, "data": self.dataset.state_dict(), "scheduler": self.scheduler.state_dict(),
                       "reward": self.pool.state_dict()}
         self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared,
-                       export=lambda ckpt_dir: self.trainer.save_hf(ckpt_dir / "hf"))
+                       export=lambda ckpt_dir: self.trainer.save_hf(ckpt_dir / "hf"), before_commit=before_commit)
 
     def close(self) -> None:
         self.rollout_phase.close()

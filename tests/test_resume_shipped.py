@@ -1,0 +1,258 @@
+"""Resume, proven as shipped: the tiny-cpu program killed at several points, resumed each time.
+
+One run directory, one command line (``configs/tiny-cpu.yaml`` with the suite's FAST overrides:
+P0=R0=4, so steps 1-4 are short rounds that each defer one prompt to the long-prompt queue and
+step 5 is a long round of those 4, whose second engine leaves for the stream trainer, as the
+shipped profile makes it). The run is interrupted five times and the same command resumes it:
+
+1. kill -9 rank 1 in step 3, a short round (after step 2's row: step 3 is syncing or rolling out);
+2. kill -9 rank 1 in step 5, the long round, while it stream-trains: seen as the first connection to
+   rank 1's group inbox, which the coordinator opens only to feed a rank that left the round for
+   the trainer. The round's prompts were popped from the long-prompt queue, so only rank 0's
+   memory and step 4's checkpoint (whose queue holds the 4) have them;
+3. kill -9 rank 0 while step 6's checkpoint is written (``step_00000006.tmp`` holds rank 0's
+   state, no ``COMPLETE``): the resume uses step 4's and discards the torn directory;
+4. SIGTERM rank 1 in step 7: every rank checkpoints at the end of step 7 (not a multiple of
+   ``save_every``) and the launcher exits 0; the last launch runs steps 8-10.
+
+The ledger then shows every (uid, epoch) trained at most once, nothing filtered twice, and every
+prompt the data served (read back from the final checkpoint's data cursor) trained, filtered or
+still in the saved long-prompt queue. Metric equality with an uninterrupted run is not asserted
+here: tail batching races on a real clock, so which prompts win a short round (and so the rewards,
+losses and lengths) depends on timing even without a restart. What does not depend on timing is
+asserted: one row per step, the round kinds, the queue length and the groups of every step.
+``test_train_program.test_kill9_then_resume_loses_and_repeats_no_prompt`` checks metric equality
+after a kill in baseline mode, which has no race.
+
+The launcher's own SIGTERM is not used: torchrun forwards it to the workers, SIGKILLs them after
+its ``--shutdown_timeout`` (30 s) and exits non-zero whatever they do. Slurm's ``scancel`` signals
+every process of the step, workers included, which is the case tested here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollpacker.runtime.ledger import read_ledger
+from rollpacker.testing import REPO_ROOT
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_program import FAST, POLICY  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
+
+STEPS = ["run.steps=10", "run.save_every=2", "run.wandb=disabled"]
+
+
+def _free_zmq_base() -> int:
+    """A base for ROLLPACKER_ZMQ_PORT whose ports (servers +0/+1, inboxes +64/+65) are free now,
+    below the ephemeral range that gloo's connections use."""
+    for base in range(21000 + os.getpid() % 4000, 29000, 97):
+        socks = []
+        try:
+            for port in (base, base + 1, base + 64, base + 65):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports for the engine servers")
+
+
+class Launch:
+    """One `torchrun -m rollpacker.train` of the run, its output in a file of the test's own."""
+
+    def __init__(self, run_dir: Path, log: Path, zmq_base: int):
+        self.run_dir, self.log = run_dir, log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
+               "ROLLPACKER_ZMQ_PORT": str(zmq_base)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml",
+               f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *FAST, *STEPS]
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_until(self, condition, what: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"never saw {what} (rc {self.proc.returncode}):\n{self.output()[-4000:]}")
+            time.sleep(0.005)
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of the workers: children of this launcher, by the RANK in their environment.
+        Looked up before the point a test waits for, so that its kill follows the point at once."""
+        found: dict[int, int] = {}
+
+        def lookup() -> bool:
+            out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+            for pid in map(int, out.split()):
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                found.update((int(e[5:]), pid) for e in env if e.startswith(b"RANK="))
+            return len(found) == 2
+
+        self.wait_until(lookup, "both ranks started")
+        return found
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Whatever this launch started and left running: its process group (a session of its own),
+        e.g. the reward workers of a rank 0 killed by -9."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=60)
+
+
+def _complete(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").exists()
+
+
+def _latest(run_dir: Path) -> int:
+    done = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+            if not p.name.endswith(".tmp") and (p / "COMPLETE").exists()]
+    return max(done, default=0)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _connected_to_local_port(port: int) -> bool:
+    """An established TCP connection whose local end is ``port`` (here: rank 1's group inbox)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    return True
+    return False
+
+
+def _shared(run_dir: Path, step: int) -> dict:
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / f"step_{step:08d}" / "shared.pt", weights_only=False)
+
+
+def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_path):
+    run_dir = tmp_path / "runs" / "resume"
+    run_dir.parent.mkdir()
+    zmq_base = _free_zmq_base()
+    rank1_inbox = zmq_base + 64 + 1  # coordinator._bind: ROLLPACKER_ZMQ_PORT + 64 + LOCAL_RANK
+    launches: list[Launch] = []
+
+    def launch() -> Launch:
+        launches.append(Launch(run_dir, tmp_path / f"launch{len(launches) + 1}.log", zmq_base))
+        return launches[-1]
+
+    def killed(run: Launch, resumed_from: int | None) -> None:
+        assert run.wait() != 0, run.output()[-3000:]
+        if resumed_from is not None:
+            assert f"resumed from step {resumed_from} " in run.output()
+
+    try:
+        # 1. kill -9 rank 1 in step 3, a short round
+        run = launch()
+        pids = run.ranks()
+        run.wait_until(lambda: _complete(run_dir, 2) and len(_rows(run_dir)) >= 2, "step 2 done")
+        os.kill(pids[1], signal.SIGKILL)
+        killed(run, None)
+        assert _latest(run_dir) == 2
+
+        # 2. kill -9 rank 1 while it stream-trains in step 5's long round
+        run = launch()
+        pids = run.ranks()
+        run.wait_until(lambda: _connected_to_local_port(rank1_inbox), "a group fed to rank 1's stream trainer")
+        os.kill(pids[1], signal.SIGKILL)
+        assert max(r["step"] for r in _rows(run_dir)) == 4
+        killed(run, 2)
+        queue = _shared(run_dir, 4)["scheduler"]["queue"]["prompts"]
+        assert len(queue) == 4, queue  # the four deferred prompts, which step 5 took
+
+        # 3. kill -9 rank 0 while step 6's checkpoint is written
+        torn = run_dir / "checkpoints" / "step_00000006.tmp"
+        run = launch()
+        pids = run.ranks()
+        run.wait_until(lambda: (torn / "rank00000.pt").exists() and not (torn / "COMPLETE").exists(),
+                       "step 6's checkpoint being written")
+        os.kill(pids[0], signal.SIGKILL)
+        killed(run, 4)
+        assert torn.is_dir() and not (torn / "COMPLETE").exists() and _latest(run_dir) == 4
+
+        # 4. SIGTERM rank 1 in step 7: checkpoint at the end of the step, exit 0
+        run = launch()
+        pids = run.ranks()
+        run.wait_until(lambda: _complete(run_dir, 6), "step 6's checkpoint")
+        os.kill(pids[1], signal.SIGTERM)
+        assert run.wait() == 0, run.output()[-3000:]
+        assert "SIGTERM received" in run.output() and "resumed from step 4 " in run.output()
+        assert _latest(run_dir) == 7 and max(r["step"] for r in _rows(run_dir)) == 7
+
+        # the rest of the run
+        run = launch()
+        assert run.wait() == 0, run.output()[-3000:]
+        assert "resumed from step 7 " in run.output()
+    finally:
+        for run in launches:
+            run.stop()
+
+    # The ledger: one line per step, each (uid, epoch) trained at most once, nothing lost.
+    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 11))
+    trained, filtered = read_ledger(run_dir / "ledger.jsonl")
+    assert max(trained.values()) == 1 and max(filtered.values(), default=1) == 1
+    assert not set(trained) & set(filtered)
+    assert all(len(x["trained"]) == 4 for x in lines) and len(trained) == 40
+
+    # Every prompt the data served is trained, filtered or still in the final checkpoint's queue.
+    from rollpacker.config import load_config
+    from rollpacker.data.dataset import PromptDataset
+    from rollpacker.runtime.preflight import load_tokenizer
+
+    cfg = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml").resolve(REPO_ROOT)
+    data = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model.path, cfg.source))
+    shared = _shared(run_dir, 10)
+    cursor = shared["data"]
+    served = [(p.uid, p.epoch) for p in data.take(cursor["epoch"] * len(data) + cursor["position"])]
+    queued = [(p["uid"], p["epoch"]) for p in shared["scheduler"]["queue"]["prompts"]]
+    assert len(set(served)) == len(served) == len(trained) + len(filtered) + len(queued)
+    assert set(served) == set(trained) | set(filtered) | set(queued)
+
+    # What does not depend on timing equals an uninterrupted run's: one row per step, 4 short rounds
+    # (5 prompts raced, 4 kept, 1 deferred) then a long round of the 4 deferred, streamed.
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["round"] for r in rows] == (["short"] * 4 + ["long"]) * 2
+    assert [r["queue_length"] for r in rows] == [1, 2, 3, 4, 0] * 2
+    assert all(r["groups"] == 4 and r["responses_kept"] == 16 for r in rows)
+    assert all(r["streamed_groups"] > 0 for r in rows if r["round"] == "long")
