@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest = run_epochs(args, split)
     report = summarize(args, manifest)
     print_report(args, report)
-    path = write_results(args.results, {"settings": {k: v for k, v in vars(args).items()},
-                                        **{k: v for k, v in report.items() if k != "runs"},
-                                        "runs": {n: {k: v for k, v in r.items()} for n, r in report["runs"].items()}})
+    path = write_results(args.results, {"settings": vars(args), **report})
     print(f"raw results: {path}")
     return 0
 

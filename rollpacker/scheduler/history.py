@@ -100,7 +100,8 @@ class PromptHistory:
             return False
         if outcome is Outcome.DEFERRED:
             return True
-        return self.cutoff > 0 and self.length(uid) > self.cfg.margin * self.cutoff
+        cutoff = self.cutoff
+        return cutoff > 0 and self.length(uid) > self.cfg.margin * cutoff
 
     @property
     def precision(self) -> float:
