@@ -1,6 +1,7 @@
 """CPU trainer: fused SDPA core attention vs Megatron's unfused DotProductAttention, same run.
 
     python -m bench.bench_attention [--prompts 16] [--responses 4] [--steps 4] [--threads 1] [--micro-batch-tokens 4096]
+                                    [--out bench/results/attention.json]
 
 The CPU layer spec computes attention with ``scaled_dot_product_attention``
 (``megatron_ext/sdpa_attention.py``); Megatron's local spec materialises the
@@ -10,15 +11,19 @@ the GRPO forward/backward of the shipped policy on the same micro-batches
 workloads: a baseline-like batch (the task's long tail, see
 ``bench/bench_packing.py``) and a long-round batch (every response 250-450
 tokens, what a long round of tail batching trains). The summed losses must agree.
+Each step's seconds go to ``--out``, from which ``python -m bench.report``
+renders the README's table (also printed).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import random
-import time
 from functools import partial
 
-from bench.bench_packing import batch, policy_trainer_bench
+from bench import report
+from bench.bench_packing import batch, check_same_loss, policy_trainer_bench, timed_step
+from bench.results import write_results
 from megatron_ext.sdpa_attention import megatron_attention
 from rollpacker.trainer.packing import plan_micro_batches, sequence_length
 
@@ -27,38 +32,32 @@ def long_round_lengths(rng: random.Random, n: int) -> list[int]:
     return [rng.randint(250, 450) for _ in range(n)]
 
 
+WORKLOADS = {"baseline-like (the task's long tail)": batch,
+             "long round (every response 250–450 tokens)": partial(batch, lengths=long_round_lengths)}
+
+
 def main() -> None:
-    args, cfg, backend, loss_fn = policy_trainer_bench(__doc__)
-
-    def run(mbs) -> tuple[float, float]:
-        backend.zero_grad()
-        start = time.perf_counter()
-        results = backend.forward_backward(mbs, loss_fn)
-        return time.perf_counter() - start, float(sum(r.objective.detach() for r in results))
-
-    workloads = {"baseline-like": batch, "long round": partial(batch, lengths=long_round_lengths)}
-    seconds = {(w, m): 0.0 for w in workloads for m in ("megatron", "sdpa")}
-    tokens = dict.fromkeys(workloads, 0)
+    args, cfg, backend, loss_fn = policy_trainer_bench(__doc__, "attention")
+    steps = []
     for step in range(args.steps):
-        for name, make in workloads.items():
+        row = {}
+        for name, make in WORKLOADS.items():
             samples = make(args.prompts, args.responses, seed=step)
-            tokens[name] += sum(sequence_length(s) for s in samples)
             mbs = plan_micro_batches(samples, budget=cfg.micro_batch_tokens, aggregation=cfg.loss_aggregation,
                                      layout=backend.micro_batch_layout, pad_multiple=backend.pad_multiple)
-            losses = {}
+            row[name] = {"tokens": sum(sequence_length(s) for s in samples)}
             for mode in (("megatron", "sdpa") if step % 2 == 0 else ("sdpa", "megatron")):
                 with megatron_attention(backend.model) if mode == "megatron" else contextlib.nullcontext():
-                    dt, losses[mode] = run(mbs)
-                seconds[name, mode] += dt
-            if abs(losses["megatron"] - losses["sdpa"]) > 1e-5 * max(1.0, abs(losses["megatron"])):
-                raise SystemExit(f"step {step}, {name}: the two attentions gave different losses {losses}")
+                    seconds, loss = timed_step(backend, loss_fn, mbs)
+                row[name][mode] = {"seconds": seconds, "loss": loss}
+            check_same_loss(step, name, {m: row[name][m]["loss"] for m in ("megatron", "sdpa")})
+        steps.append(row)
         print(f"step {step} done", flush=True)
-    print(f"\n{args.steps} steps x {args.prompts}x{args.responses} samples, budget {cfg.micro_batch_tokens}, "
-          f"{args.threads} thread(s); forward+backward of the shipped policy:")
-    print("| workload | tokens | Megatron DotProductAttention | SDPA | ratio |\n|---|---|---|---|---|")
-    for name in workloads:
-        meg, sdpa = seconds[name, "megatron"], seconds[name, "sdpa"]
-        print(f"| {name} | {tokens[name]} | {meg:.2f} s | {sdpa:.2f} s | {meg / sdpa:.2f}× |")
+    ratio = {name: sum(r[name]["megatron"]["seconds"] for r in steps) / sum(r[name]["sdpa"]["seconds"] for r in steps)
+             for name in WORKLOADS}
+    results = write_results(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                       "steps": steps, "ratio": ratio})
+    print(report.attention(json.loads(results.read_text())))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Reference engine vs transformers static-batch ``generate``: tokens/s, same model, prompts, machine, run.
 
-    python -m bench.bench_engine [--model HF_DIR | random] [--threads 1]
+    python -m bench.bench_engine [--model HF_DIR | random] [--threads 1] [--out bench/results/engine.json]
 
 Two workloads, greedy on both sides:
 - uniform: BATCH requests, every one generating exactly ``--uniform-len`` tokens (one static batch);
@@ -11,7 +11,8 @@ Two workloads, greedy on both sides:
   log-normal tail. transformers runs static batches of BATCH that each wait for
   their longest member; the engine keeps up to BATCH requests running, refilling freed slots.
 Only tokens each request actually needed count. Each side runs ``--repeats`` times,
-interleaved, and the best is kept (the machine is shared); the ratios are printed at the end.
+interleaved, and the best is kept (the machine is shared). Every repeat's rate goes to
+``--out``, from which ``python -m bench.report`` renders the README's table (also printed).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bench import report
+from bench.results import REPO, write_results
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
@@ -40,6 +43,7 @@ class Workload:
     prompts: list[list[int]]
     max_new: list[int]  # per request
     eos: int | None  # stop id on both sides, or None (lengths forced by max_new)
+    goal: float  # engine / transformers tokens/s the issue asks for
 
 
 def _hf_tokens_per_s(model, w: Workload, batch: int) -> float:
@@ -84,6 +88,7 @@ def main() -> None:
     p.add_argument("--tail-cap", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.json"), help="raw results (JSON)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -92,7 +97,7 @@ def main() -> None:
         raise SystemExit(f"--model {args.model}: no config.json there")
     tmp = None
     if args.model != "random" and (policy / "config.json").is_file():
-        model_dir, source = policy, f"{policy} (tail lengths from the model's EOS)"
+        model_dir, source = policy, f"{args.model or 'assets/policy'} (tail lengths from the model's EOS)"
         eos = json.loads((policy / "config.json").read_text()).get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
     else:
@@ -110,26 +115,35 @@ def main() -> None:
     n_tail = args.batch * args.tail_batches
     if eos is None:  # median ~ cap/16, a few reach the cap: the published long-tail shape
         tail = torch.exp(torch.randn(n_tail, generator=g) * 1.1 + math.log(args.tail_cap / 16))
-        tail = Workload("long-tailed", random_prompts(n_tail), tail.clamp(4, args.tail_cap).long().tolist(), None)
+        tail = Workload("long-tailed", random_prompts(n_tail), tail.clamp(4, args.tail_cap).long().tolist(), None,
+                        goal=2.0)
     else:
         from transformers import AutoTokenizer
         from rollpacker.data.dataset import PromptDataset
         data = PromptDataset([args.data], AutoTokenizer.from_pretrained(model_dir), max_prompt_length=512,
                              shuffle=False)
-        tail = Workload("long-tailed", [x.input_ids for x in data.take(n_tail)], [args.tail_cap] * n_tail, eos)
-    workloads = [Workload("uniform", random_prompts(args.batch), [args.uniform_len] * args.batch, None), tail]
-    print(f"model: {source}\nthreads={args.threads} batch={args.batch} repeats={args.repeats} (best kept)")
+        tail = Workload("long-tailed", [x.input_ids for x in data.take(n_tail)], [args.tail_cap] * n_tail, eos,
+                        goal=2.0)
+    workloads = [Workload("uniform", random_prompts(args.batch), [args.uniform_len] * args.batch, None, goal=1.0),
+                 tail]
+    print(f"model: {source}\nthreads={args.threads} batch={args.batch} repeats={args.repeats} (best kept)", flush=True)
+    rows = []
     for w in workloads:
-        best_hf = best_engine = 0.0
+        trials = []
         with torch.inference_mode():
             for _ in range(args.repeats):
-                best_hf = max(best_hf, _hf_tokens_per_s(hf, w, args.batch))
-                rate, lengths = _engine_tokens_per_s(model_dir, w, args.batch)
-                best_engine = max(best_engine, rate)
+                hf_rate = _hf_tokens_per_s(hf, w, args.batch)
+                engine_rate, lengths = _engine_tokens_per_s(model_dir, w, args.batch)
+                trials.append({"transformers_tok_s": hf_rate, "engine_tok_s": engine_rate})
         lengths.sort()
-        print(f"{w.name:12s} requests={len(w.prompts):4d} output length median={lengths[len(lengths) // 2]} "
-              f"p90={lengths[len(lengths) * 9 // 10]} max={lengths[-1]} | transformers {best_hf:8.1f} tok/s | "
-              f"engine {best_engine:8.1f} tok/s | ratio {best_engine / best_hf:.2f}x")
+        best = {k: max(t[k] for t in trials) for k in trials[0]}
+        rows.append({"workload": w.name, "requests": len(w.prompts), "goal": w.goal, "trials": trials, "best": best,
+                     "ratio": best["engine_tok_s"] / best["transformers_tok_s"],
+                     "output_length": {"median": lengths[len(lengths) // 2], "p90": lengths[len(lengths) * 9 // 10],
+                                       "max": lengths[-1]}})
+    results = write_results(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                       "model": source, "workloads": rows})
+    print(report.engine(json.loads(results.read_text())))
     if tmp is not None:
         tmp.cleanup()
 

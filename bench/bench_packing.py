@@ -1,6 +1,7 @@
 """CPU trainer: micro-batches packed by padded cost vs by real tokens, same samples, same run.
 
     python -m bench.bench_packing [--prompts 16] [--responses 4] [--steps 4] [--threads 1]
+                                  [--out bench/results/packing.json]
 
 The CPU backend lays a micro-batch out as right-padded rows, so a micro-batch
 costs rows x its longest row. Each step draws a baseline-like batch (P x R
@@ -13,12 +14,14 @@ shipped policy's Megatron model on it twice, in alternating order:
 * padded - the length-sorted rows cut into runs of least padded cost
   (``pack(..., "padded")``, what the CPU backend uses).
 
-Both see the same samples and produce the same summed loss (checked); printed:
-seconds, padded tokens and micro-batches per mode, and the ratio.
+Both see the same samples and produce the same summed loss (checked). Each
+step's seconds, padded tokens and micro-batches per mode go to ``--out``, from
+which ``python -m bench.report`` renders the README's table (also printed).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from functools import partial
@@ -26,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from bench import report
+from bench.results import REPO, write_results
 from megatron_ext.parallel import setup_layout
 from rollpacker.examples import task
 from rollpacker.sample import Prompt, Sample
@@ -58,7 +63,7 @@ def batch(prompts: int, responses: int, seed: int,
     return out
 
 
-def policy_trainer_bench(doc: str) -> tuple[argparse.Namespace, TrainerConfig, Backend, Callable]:
+def policy_trainer_bench(doc: str, results: str) -> tuple[argparse.Namespace, TrainerConfig, Backend, Callable]:
     """The trainer benchmarks' shared setup: arguments, the shipped policy's CPU backend, the GRPO loss."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--prompts", type=int, default=16)
@@ -66,6 +71,7 @@ def policy_trainer_bench(doc: str) -> tuple[argparse.Namespace, TrainerConfig, B
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="configs/tiny-cpu.yaml's budget")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / f"{results}.json"), help="raw results (JSON)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, params_dtype="fp32")
@@ -74,35 +80,41 @@ def policy_trainer_bench(doc: str) -> tuple[argparse.Namespace, TrainerConfig, B
     return args, cfg, backend, loss_fn
 
 
+def timed_step(backend: Backend, loss_fn: Callable, mbs: list) -> tuple[float, float]:
+    """Seconds of one forward/backward over ``mbs`` and its summed loss."""
+    backend.zero_grad()
+    start = time.perf_counter()
+    results = backend.forward_backward(mbs, loss_fn)
+    return time.perf_counter() - start, float(sum(r.objective.detach() for r in results))
+
+
+def check_same_loss(step: int, what: str, losses: dict[str, float]) -> None:
+    a, b = losses.values()
+    if abs(a - b) > 1e-5 * max(1.0, abs(a)):
+        raise SystemExit(f"step {step}, {what}: the two runs gave different losses {losses}")
+
+
 def main() -> None:
-    args, cfg, backend, loss_fn = policy_trainer_bench(__doc__)
-    totals = {m: {"s": 0.0, "padded": 0, "micro_batches": 0} for m in ("tokens", "padded")}
-    real = 0
+    args, cfg, backend, loss_fn = policy_trainer_bench(__doc__, "packing")
+    steps = []
     for step in range(args.steps):
         samples = batch(args.prompts, args.responses, seed=step)
         lengths = [sequence_length(s) for s in samples]
-        real += sum(lengths)
-        losses = {}
+        row = {"real_tokens": sum(lengths), "longest": max(lengths)}
         for mode in (("tokens", "padded") if step % 2 == 0 else ("padded", "tokens")):
             groups = pack(lengths, cfg.micro_batch_tokens, "thd" if mode == "tokens" else "padded")
             mbs = [build_micro_batch([samples[i] for i in g], aggregation=cfg.loss_aggregation, layout="padded")
                    for g in groups]
-            backend.zero_grad()
-            start = time.perf_counter()
-            results = backend.forward_backward(mbs, loss_fn)
-            totals[mode]["s"] += time.perf_counter() - start
-            totals[mode]["padded"] += sum(mb.input_ids.numel() for mb in mbs)
-            totals[mode]["micro_batches"] += len(mbs)
-            losses[mode] = float(sum(r.objective.detach() for r in results))
-        if abs(losses["tokens"] - losses["padded"]) > 1e-5 * max(1.0, abs(losses["tokens"])):
-            raise SystemExit(f"step {step}: the two packings gave different losses {losses}")
-        print(f"step {step}: {len(samples)} samples, {sum(lengths)} tokens, longest {max(lengths)}", flush=True)
-    print(f"\n{args.steps} steps x {args.prompts}x{args.responses} samples, {real} real tokens, "
-          f"budget {cfg.micro_batch_tokens}, {args.threads} thread(s); forward+backward of the shipped policy:")
-    for mode, t in totals.items():
-        print(f"  {mode:7s} {t['s']:7.2f} s  padded tokens {t['padded']:7d} ({t['padded'] / real:.2f}x real)  "
-              f"micro-batches {t['micro_batches']}")
-    print(f"ratio (tokens / padded): {totals['tokens']['s'] / totals['padded']['s']:.2f}x")
+            seconds, loss = timed_step(backend, loss_fn, mbs)
+            row[mode] = {"seconds": seconds, "loss": loss, "micro_batches": len(mbs),
+                         "padded_tokens": sum(mb.input_ids.numel() for mb in mbs)}
+        check_same_loss(step, "packing", {m: row[m]["loss"] for m in ("tokens", "padded")})
+        steps.append(row)
+        print(f"step {step}: {len(samples)} samples, {row['real_tokens']} tokens, longest {row['longest']}", flush=True)
+    seconds = {m: sum(r[m]["seconds"] for r in steps) for m in ("tokens", "padded")}
+    results = write_results(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+                                       "steps": steps, "ratio": seconds["tokens"] / seconds["padded"]})
+    print(report.packing(json.loads(results.read_text())))
 
 
 if __name__ == "__main__":

@@ -10,15 +10,21 @@
 The third benchmark of the issue (reward time hidden behind rollout) needs the rollout
 engine and lives with the scheduler's benchmarks, not here.
 
-    python -m bench.bench_reward [--parts math,code] [--math-samples N] [--code-prompts P] ...
+    python -m bench.bench_reward [--parts math,code] [--math-samples N] [--code-prompts P] ... [--out FILE]
+
+The timings of every part go to ``--out`` (default ``bench/results/reward.json``), from which
+``python -m bench.report`` renders the README's table (also printed).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
 
+from bench import report
+from bench.results import REPO, write_results
 from rollpacker.reward import RewardConfig, RewardPool
 from rollpacker.reward.scorers.math_answer import score_math
 
@@ -40,7 +46,7 @@ def math_samples(n: int, seed: int) -> list[tuple[str, str]]:
     return samples
 
 
-def bench_math(args: argparse.Namespace) -> None:
+def bench_math(args: argparse.Namespace) -> dict:
     samples = math_samples(args.math_samples, args.seed)
     cfg = RewardConfig(num_workers=args.math_workers)
     score_math("\\boxed{1}", "1", cfg.math_timeout)  # same warm-up the workers do before they report ready
@@ -63,6 +69,8 @@ def bench_math(args: argparse.Namespace) -> None:
     print(f"[math] pool, {args.math_workers} workers     : {pooled_s:8.2f} s  {n / pooled_s:8.1f} samples/s"
           f"  (+{startup_s:.1f} s one-time worker start-up)")
     print(f"[math] speedup pool / in-process: {inline_s / pooled_s:.2f}x on {os.cpu_count()} cores")
+    return {"samples": n, "workers": args.math_workers, "mean_reward": sum(inline) / n, "in_process_s": inline_s,
+            "pool_s": pooled_s, "pool_startup_s": startup_s, "speedup": inline_s / pooled_s}
 
 
 def code_set(args: argparse.Namespace) -> list[tuple[str, str, list[dict]]]:
@@ -94,7 +102,7 @@ def time_code_epoch(cfg: RewardConfig, samples, warm_up) -> tuple[float, list]:
         return time.perf_counter() - start, scores
 
 
-def bench_code(args: argparse.Namespace) -> None:
+def bench_code(args: argparse.Namespace) -> dict:
     samples = code_set(args)
     loops = sum(r == CODE_LOOP for _, r, _ in samples)
     base = dict(num_workers=args.code_workers, code_t_max=args.t_max, code_fixed_timeout=args.t_max)
@@ -102,12 +110,16 @@ def bench_code(args: argparse.Namespace) -> None:
           f"{loops} loop forever; T_max = fixed timeout = {args.t_max:g} s, {args.code_workers} workers")
     fixed_s, fixed = time_code_epoch(RewardConfig(code_timeout="fixed", **base), samples, warm_up=False)
     runs = [("adaptive, warm anchors", True)] + ([("adaptive, cold anchors", False)] if args.cold else [])
-    print(f"[code] fixed {args.t_max:g} s timeout     : {fixed_s:8.2f} s")
+    print(f"[code] fixed {args.t_max:g} s timeout     : {fixed_s:8.2f} s", flush=True)
+    adaptive_runs = {}
     for name, warm in runs:
         adaptive_s, adaptive = time_code_epoch(RewardConfig(code_timeout="adaptive", **base), samples, warm)
         cut = sum(f.correct and not a.correct for f, a in zip(fixed, adaptive))
+        adaptive_runs[name] = {"seconds": adaptive_s, "speedup": fixed_s / adaptive_s, "correct_cut": cut}
         print(f"[code] {name:24s}: {adaptive_s:8.2f} s  speedup {fixed_s / adaptive_s:.2f}x, "
-              f"correct solutions cut by the adaptive timeout: {cut}")
+              f"correct solutions cut by the adaptive timeout: {cut}", flush=True)
+    return {"samples": len(samples), "loops": loops, "workers": args.code_workers, "t_max": args.t_max,
+            "fixed_s": fixed_s, "adaptive": adaptive_runs}
 
 
 def main() -> None:
@@ -122,12 +134,12 @@ def main() -> None:
     parser.add_argument("--loop-frac", type=float, default=0.05)
     parser.add_argument("--t-max", type=float, default=30.0)
     parser.add_argument("--cold", action="store_true", help="also time an adaptive epoch with no prior anchors")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "reward.json"), help="raw results (JSON)")
     args = parser.parse_args()
-    parts = set(args.parts.split(","))
-    if "math" in parts:
-        bench_math(args)
-    if "code" in parts:
-        bench_code(args)
+    parts = {"math": bench_math, "code": bench_code}
+    results = {name: parts[name](args) for name in args.parts.split(",")}
+    path = write_results(args.out, {"settings": {k: v for k, v in vars(args).items() if k != "out"}, **results})
+    print(report.reward(json.loads(path.read_text())))
 
 
 if __name__ == "__main__":

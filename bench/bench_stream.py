@@ -1,50 +1,64 @@
-"""Stream trainer vs train-after-rollout, in one long round, one run (2 CPU ranks, gloo).
+"""The stream trainer against what a user without it does: rank 1 keeps generating (2 CPU ranks).
 
-    python bench/bench_stream.py --policy [--prompts 16] [--responses 4] [--repeats 2]
-    python bench/bench_stream.py             # no policy needed: synthetic lengths, random model
+    python -m bench.bench_stream --policy [--prompts 16] [--responses 4] [--repeats 3] [--out bench/results/stream.json]
+    python -m bench.bench_stream             # no policy needed: synthetic lengths, random model
 
-Rank 0 runs the reference rollout engine on a long round of P0 x R0 requests;
-rank 1 is a rank handed over to training (DESIGN.md §4). Both are the two
-data-parallel replicas of the trainer. Each repeat runs the same round twice,
-from the same weights and with the same seeded sampling:
+One long round of P0 x R0 requests over two TP-1 reference engines, one per
+rank, each rank also a data-parallel replica of the trainer. The round runs
+through the program's own rollout phase (``RolloutPhase``: the scheduler's long
+round on rank 0, rank 1's engine served over the coordinator channel) and
+both modes end in the program's training step (``Trainer.finish_step`` on the
+groups nobody streamed, in canonical order):
 
-* after  - rank 1 idles until rollout ends, then both ranks train the whole batch
-           (``train_step``): what a synchronous system does;
-* stream - once ``trainer.stream_trigger_low`` of the requests are done, rank 1
-           consumes finished prompt groups as they arrive (``stream.consume``),
-           gradients local; at rollout end both ranks ``finish`` the rest.
+* baseline - no stream trainer: both engines generate until every request is
+             done, then both ranks train the whole batch;
+* stream   - ``trainer.stream``: once ``stream_trigger_low``-``high`` of the
+             requests are done (the scheduler's ``HandoffTrigger``), rank 1's
+             engine leaves the round, its unfinished requests migrate to rank 0
+             with the tokens they generated (evict, resubmit; the KV cache is
+             rebuilt by recompute) and rank 1 trains the finished groups rank 0
+             feeds it (``StreamFeed`` / ``stream_train``) until rollout ends.
 
-Printed: rollout seconds, step seconds (round start -> optimizer step done)
-for both modes and their ratio, the share of training compute (tokens) done
-before rollout ended, and the relative difference of the weights after the
-two steps (the stream step must be the same update).
+Each repeat runs both modes from the same weights and with the same request
+seeds (a scheduler per mode, so a repeat's round has the same index in both,
+and each repeat samples afresh); the order of the two alternates between repeats. A reference engine samples a
+migrated request exactly as in place, so both modes train on the same samples
+and must take the same update. Recorded per run: step seconds (round start ->
+optimizer step done, slowest rank), rollout seconds, requests and tokens
+migrated, the share of the requests done at the hand-off, the share of the
+training compute (tokens) done before rollout ended (the trainer's
+``stream_overlap_share``: the streaming rank counts until it is told the rollout
+ended, so the at most two groups it then still has in flight count as before);
+per repeat the relative difference of the two modes' weights.
 
-``--policy``: the shipped policy (assets/policy) samples the long round's
-longest-chain training prompts until EOS, scored by the task's checker.
-Without it: a random Qwen2 of the policy's shape, response lengths forced
-from the task's long tail (see ``synthetic_round``), coin-flip rewards.
-Completed groups go from rank 0 to rank 1 through a TCPStore.
+``--policy``: the shipped policy (assets/policy) samples the longest-chain
+training prompts of a random pool (a long round's) until EOS or 512 tokens,
+scored by the task's checker. Without it: a random Qwen2 of the policy's
+shape, each response's length forced from the task's long tail (see
+``synthetic_round``), seeded coin-flip rewards. Rewards are scored in the
+scheduler's thread (the program uses its reward pool; both scorers here take
+microseconds).
 
-What this does not model: rank 1 holds no engine in either mode, so there is
-no request migration at the hand-off (DESIGN.md: a few seconds of recompute)
-and the baseline does not use rank 1 for rollout either. On this CPU machine
-the engine and the streaming trainer share cores (on GPUs they are separate
-devices), which slows the stream mode's rollout; hence the post-rollout
-training time is printed next to the wall-clock step times.
+Caveat, recorded with the results: on this 2-core CPU the two engines, the
+trainer and the other jobs on the machine share the cores; on GPUs an engine
+and the stream trainer each have their own device. Engines are awake the whole
+run (no phase machine: the program's offload and weight sync cost the same in
+both modes) and keep the initial weights, as every run restores them.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
-import pickle
 import random
-import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -52,28 +66,40 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.report import stream  # noqa: E402
+from bench.results import write_results  # noqa: E402
+from megatron_ext.parallel import setup_layout  # noqa: E402
 from rollpacker.examples import task  # noqa: E402
+from rollpacker.reward.score import WRONG_ANSWER, Score  # noqa: E402
 from rollpacker.rollout.config import RolloutConfig  # noqa: E402
-from rollpacker.rollout.engine import GenerationRequest, SamplingParams  # noqa: E402
+from rollpacker.rollout.engine import MEMORY_TAGS, GenerationRequest, RolloutEngine  # noqa: E402
+from rollpacker.runtime.engines import EngineSets  # noqa: E402
+from rollpacker.runtime.rollout_phase import RolloutPhase, broadcast_groups  # noqa: E402
+from rollpacker.runtime.streaming import replica_of_ranks  # noqa: E402
+from rollpacker.runtime.world import World  # noqa: E402
 from rollpacker.sample import Prompt, Sample  # noqa: E402
+from rollpacker.scheduler import Scheduler  # noqa: E402
+from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig  # noqa: E402
 from rollpacker.testing import make_random_qwen2, run_torchrun  # noqa: E402
+from rollpacker.trainer.config import TrainerConfig  # noqa: E402
+from rollpacker.trainer.trainer import Trainer  # noqa: E402
 
 POLICY_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=250, max_position_embeddings=1024)
+MODES = ("baseline", "stream")
+CAVEAT = ("2 CPU cores shared by both rollout engines, the trainer and other jobs on the machine; on GPUs an "
+          "engine and the stream trainer each have their own device")
 
 
 @dataclass
 class LongRound:
-    """A long round: prompts, each response's token limit, the stop tokens and the reward rule."""
+    """A long round: its prompts, the response length limit, the stop tokens and the reward rule."""
 
     prompts: list[Prompt]
-    limits: list[list[int]]  # max_new_tokens of each response of each prompt
+    max_tokens: int
     stop_token_ids: tuple[int, ...]
-    score: Callable[[Sample], float]
-
-    @property
-    def num_requests(self) -> int:
-        return sum(len(x) for x in self.limits)
+    score: Callable[[Sample], Score]
+    lengths: dict[str, int] | None = None  # synthetic: each request's forced length, by request id
 
 
 def synthetic_round(num_prompts: int, responses: int, seed: int) -> LongRound:
@@ -81,16 +107,21 @@ def synthetic_round(num_prompts: int, responses: int, seed: int) -> LongRound:
     half of the task's log-normal (a long round holds the prompts that lost the short-round race), and
     its responses run 7 tokens a step (+ jitter), with no stop token. Rewards: seeded coin flips."""
     rng = random.Random(seed)
-    prompts, limits = [], []
+    prompts, lengths = [], {}
     for uid in range(num_prompts):
         steps = 0
         while steps < task.MEDIAN_STEPS:
             steps = task.sample_num_steps(rng)
-        prompts.append(Prompt(uid=uid, input_ids=[rng.randrange(3, 250) for _ in range(rng.randint(20, 40))],
-                              data_source="bench"))
-        limits.append([7 * steps + 6 + rng.randint(0, 6) for _ in range(responses)])
-    return LongRound(prompts, limits, (), lambda s: float(
-        random.Random(seed * 1_000_003 + s.prompt.uid * 101 + s.response_index).random() < 0.5))
+        prompt = Prompt(uid=uid, input_ids=[rng.randrange(3, 250) for _ in range(rng.randint(20, 40))],
+                        data_source="bench")
+        prompts.append(prompt)
+        for i in range(responses):
+            lengths[Sample(prompt=prompt, response_index=i).request_id] = 7 * steps + 6 + rng.randint(0, 6)
+
+    def score(s: Sample) -> Score:
+        coin = random.Random(seed * 1_000_003 + s.prompt.uid * 101 + s.response_index).random() < 0.5
+        return Score.passed() if coin else Score.failed(WRONG_ANSWER)
+    return LongRound(prompts, max(lengths.values()), (), score, lengths)
 
 
 def policy_round(policy: Path, num_prompts: int, responses: int, seed: int) -> LongRound:
@@ -102,138 +133,120 @@ def policy_round(policy: Path, num_prompts: int, responses: int, seed: int) -> L
 
     tok = AutoTokenizer.from_pretrained(policy)
     data = PromptDataset([str(REPO / "assets" / "data" / "train.jsonl")], tok, max_prompt_length=256, seed=seed)
-    pool = data.take(8 * num_prompts)
-    prompts = sorted(pool, key=lambda p: -p.extra_info["num_steps"])[:num_prompts]
+    prompts = sorted(data.take(8 * num_prompts), key=lambda p: -p.extra_info["num_steps"])[:num_prompts]
 
-    def score(s: Sample) -> float:
-        return float(task.score_response(tok.decode(s.response_ids, skip_special_tokens=True),
-                                         s.prompt.ground_truth)[0])
-    return LongRound(prompts, [[512] * responses for _ in prompts], (tok.eos_token_id,), score)
-
-
-def rollout(engine, round_: LongRound, store, mode: str, seed: int) -> list[list[Sample]]:
-    """Run the round on ``engine``; publish each prompt group the moment its last response finishes."""
-    by_uid = {p.uid: (p, limits) for p, limits in zip(round_.prompts, round_.limits)}
-    engine.submit([GenerationRequest(f"p{p.uid}r{i}", p.input_ids,
-                                     SamplingParams(max_new_tokens=n, seed=seed * 7919 + p.uid * 31 + i,
-                                                    stop_token_ids=round_.stop_token_ids))
-                   for p, limits in zip(round_.prompts, round_.limits) for i, n in enumerate(limits)])
-    pending = {uid: {} for uid in by_uid}
-    groups, done = [], 0
-    while len(groups) < len(by_uid):
-        for c in engine.poll(timeout=0.05):
-            uid, index = (int(x) for x in c.request_id[1:].split("r"))
-            sample = Sample(prompt=by_uid[uid][0], response_index=index, response_ids=c.output_ids,
-                            rollout_logprobs=c.logprobs, finish_reason=c.finish_reason)
-            sample.reward = round_.score(sample)
-            pending[uid][index] = sample
-            done += 1
-            if len(pending[uid]) == len(by_uid[uid][1]):
-                group = [pending[uid][i] for i in sorted(pending[uid])]
-                store.set(f"{mode}/g{len(groups)}", pickle.dumps(group))
-                groups.append(group)
-            # one key, so the consumer sees counts and the end flag together: the group that
-            # ends the round is published with end=1 and is never streamed
-            store.set(f"{mode}/state", f"{done} {len(groups)} {int(len(groups) == len(by_uid))}")
-    return groups
+    def score(s: Sample) -> Score:
+        correct, reason = task.score_response(tok.decode(s.response_ids, skip_special_tokens=True),
+                                              s.prompt.ground_truth)
+        return Score(float(correct), correct, reason)
+    return LongRound(prompts, 512, (tok.eos_token_id,), score)
 
 
-def stream_consumer(trainer, store, mode: str, total_requests: int, trigger: float | None) -> int:
-    """Rank 1 while rollout runs: consume published groups once ``trigger`` of the requests are done."""
-    consumed = 0
-    while True:
-        done, published, ended = (int(x) for x in store.get(f"{mode}/state").split())
-        if ended:
-            break
-        if trigger is not None and done >= trigger * total_requests and published > consumed:
-            trainer.stream.consume([pickle.loads(store.get(f"{mode}/g{i}")) for i in range(consumed, published)])
-            consumed = published
-        else:
-            time.sleep(0.005)
-    trainer.stream.end_rollout()
-    return consumed
+class ForcedLengths:
+    """A rollout engine whose every request stops at the synthetic round's length for it; migrated
+    requests keep theirs, since the limit goes by request id. Everything else is the engine's."""
+
+    def __init__(self, engine: RolloutEngine, lengths: dict[str, int]):
+        self._engine, self._lengths = engine, lengths
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self._engine.submit([dataclasses.replace(r, params=dataclasses.replace(
+            r.params, max_new_tokens=self._lengths[r.request_id])) for r in requests])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
-def one_step(trainer, engine, store, round_: LongRound, mode: str, args) -> dict:
-    rank = dist.get_rank()
-    total_requests = round_.num_requests
-    if rank == 0:
-        store.set(f"{mode}/state", "0 0 0")
-    dist.barrier()
+class InlineReward:
+    """The scheduler's ``RewardSink``, scoring in its own thread."""
+
+    def __init__(self, score: Callable[[Sample], Score]):
+        self.score = score
+
+    def submit(self, sample: Sample) -> Future:
+        future: Future = Future()
+        future.set_result(self.score(sample))
+        return future
+
+
+def one_step(world: World, trainer: Trainer, phase: RolloutPhase, round_: LongRound, snapshot: dict) -> dict[str, Any]:
+    """One long round and its optimizer step, as ``rollpacker.runtime.run.Run`` runs them; rank 0's record."""
+    trainer.load_state_dict(snapshot)
+    dist.barrier(group=world.control)
     t0 = time.perf_counter()
-    trainer.stream.begin()
-    rollout_s = torch.zeros(1, dtype=torch.float64)
-    if rank == 0:
-        groups = rollout(engine, round_, store, mode, args.seed)
-        rollout_s[0] = time.perf_counter() - t0
-        trainer.stream.end_rollout()
-        store.wait([f"{mode}/consumed"])
-        consumed = int(store.get(f"{mode}/consumed"))
-    else:
-        consumed = stream_consumer(trainer, store, mode, total_requests,
-                                   trainer.cfg.stream_trigger_low if mode.startswith("stream") else None)
-        store.set(f"{mode}/consumed", str(consumed))
-        groups = [pickle.loads(store.get(f"{mode}/g{i}")) for i in range(len(round_.prompts))]
-    metrics = trainer.finish_step(groups[consumed:])
+    plan = None
+    if phase.scheduler is not None:
+        phase.scheduler.queue.push(round_.prompts)  # P0 queued prompts: the scheduler plans a long round
+        plan = phase.scheduler.plan_round()
+    result, to_training = phase.run(plan)
+    if to_training:
+        phase.stream_train(trainer.stream)
+    groups = broadcast_groups(phase.unstreamed(result), world.control)
+    groups = sorted((sorted(g, key=lambda s: s.response_index) for g in groups),
+                    key=lambda g: (g[0].prompt.epoch, g[0].prompt.uid))
+    trainer.begin_step()
+    metrics = trainer.finish_step(groups)
     step_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
-    dist.all_reduce(rollout_s, op=dist.ReduceOp.MAX)
-    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
-    return {"step_s": float(step_s), "rollout_s": float(rollout_s), "metrics": metrics, "params": params,
-            "samples": [s for g in groups for s in g]}
+    dist.all_reduce(step_s, op=dist.ReduceOp.MAX, group=world.control)
+    if result is None:
+        return {}
+    s = result.stats
+    return {"step_s": float(step_s), "rollout_s": s.rollout_seconds, "generated_tokens": s.generated_tokens,
+            "migrated_requests": s.migrated_requests, "migrated_tokens": s.migrated_tokens,
+            "handoff_fraction": s.handoff_fraction, "streamed_groups": len(phase.streamed),
+            "overlap_share": metrics["stream_overlap_share"],
+            "lengths": [x.num_response_tokens for x in result.samples],
+            "params": torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])}
 
 
 def worker(args) -> None:
-    from megatron_ext.parallel import setup_layout
-    from rollpacker.rollout.reference import ReferenceEngine
-    from rollpacker.trainer.config import TrainerConfig
-    from rollpacker.trainer.trainer import Trainer
-
-    torch.set_num_threads(1)
-    layout = setup_layout(1, 1, 1)
-    rank = dist.get_rank()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1, 2, rank == 0)
-    cfg = TrainerConfig(lr=1e-4, params_dtype="fp32", micro_batch_tokens=2048, stream_trigger_low=0.2)
-    trainer = Trainer(cfg, args.model, layout)
-    snapshot = trainer.state_dict()
-    engine = None
-    if rank == 0:
-        engine = ReferenceEngine(args.model, RolloutConfig(max_response_length=1024, kv_cache_tokens=1 << 16,
-                                                           max_running_requests=1024))
-    load = os.getloadavg()
+    world = World.init()
+    world.build_rollout_layouts([1])
     round_ = (policy_round(Path(args.model), args.prompts, args.responses, args.seed) if args.policy
               else synthetic_round(args.prompts, args.responses, args.seed))
-    rows = []
+    rollout_cfg = RolloutConfig(max_response_length=round_.max_tokens, kv_cache_tokens=1 << 16,
+                                max_running_requests=1024, seed=args.seed)
+    engines = EngineSets(world, rollout_cfg, args.model, [1])
+    if round_.lengths is not None:
+        engines.engines[1] = ForcedLengths(engines.engines[1], round_.lengths)
+    cfg = TrainerConfig(lr=1e-4, params_dtype="fp32", micro_batch_tokens=2048)
+    trainer = Trainer(cfg, args.model, setup_layout(1, 1, 1))
+    engines.active.resume_memory(list(MEMORY_TAGS))
+    engines.push(trainer.iter_hf_tensors())
+    snapshot = trainer.state_dict()
+    coordinator = world.rank == 0
+
+    def scheduler() -> Scheduler | None:
+        if not coordinator:
+            return None
+        sched = SchedulerConfig(mode="tail_batching", p0=args.prompts, r0=args.responses,
+                                planner=PlannerConfig(enabled=False))
+        # a long round takes its prompts from the queue alone: no fresh prompt source
+        return Scheduler(sched, rollout_cfg, None, rollout_ranks=world.size, stop_token_ids=round_.stop_token_ids)
+
+    reward = InlineReward(round_.score) if coordinator else None
+    replica_of = replica_of_ranks(trainer.layout.dp_rank, world.control)
+    trigger = (cfg.stream_trigger_low, cfg.stream_trigger_high)
+    phases = {mode: RolloutPhase(engines, scheduler=scheduler(), reward=reward, trigger=trigger,
+                                 replica_of=replica_of if mode == "stream" else None) for mode in MODES}
+    load_before = list(os.getloadavg())
+    repeats = []
     for rep in range(args.repeats):
-        results = {}
-        for mode in ("after", "stream"):
-            trainer.load_state_dict(snapshot)
-            results[mode] = one_step(trainer, engine, store, round_, f"{mode}{rep}", args)
-        a, s = results["after"], results["stream"]
-        rows.append((a, s, float((a["params"] - s["params"]).norm() / a["params"].norm())))
-    if rank == 0:
-        lengths = [len(s.response_ids) for s in rows[0][1]["samples"]]
-        print(f"long round ({'shipped policy' if args.policy else 'synthetic lengths'}): {args.prompts} prompts x "
-              f"{args.responses} responses, {sum(lengths)} response tokens, median "
-              f"{sorted(lengths)[len(lengths) // 2]}, longest {max(lengths)}, model {args.model}")
-        print(f"load average before the run (other jobs share these 2 cores): {load[0]:.1f}; "
-              f"after: {os.getloadavg()[0]:.1f}")
-        print("repeat  rollout_s(after/stream)  train_after_rollout_s(after/stream)  after_step_s  stream_step_s  "
-              "ratio(after/stream)  overlap_share  groups_before_end  weight_rel_diff")
-        for rep, (a, s, diff) in enumerate(rows):
-            m = s["metrics"]
-            tail_a, tail_s = a["step_s"] - a["rollout_s"], s["step_s"] - s["rollout_s"]
-            print(f"{rep:>6}  {a['rollout_s']:11.2f}/{s['rollout_s']:<11.2f}  {tail_a:17.2f}/{tail_s:<17.2f}  "
-                  f"{a['step_s']:12.2f}  {s['step_s']:13.2f}  "
-                  f"{a['step_s'] / s['step_s']:19.3f}  {m['stream_overlap_share']:13.3f}  "
-                  f"{m['stream_groups_before_rollout_end']:>17}  {diff:15.2e}")
-        ratios = sorted(a["step_s"] / s["step_s"] for a, s, _ in rows)
-        shares = sorted(s["metrics"]["stream_overlap_share"] for _, s, _ in rows)
-        tails = [(a["step_s"] - a["rollout_s"], s["step_s"] - s["rollout_s"]) for a, s, _ in rows]
-        print(f"median step-time ratio after/stream: {statistics.median(ratios):.3f}; median share of training "
-              f"compute before rollout end: {statistics.median(shares):.3f}; median training after rollout end: "
-              f"{statistics.median(t[0] for t in tails):.2f} s -> {statistics.median(t[1] for t in tails):.2f} s")
-    dist.barrier()
+        order = MODES if rep % 2 == 0 else MODES[::-1]
+        runs = {mode: one_step(world, trainer, phases[mode], round_, snapshot) for mode in order}
+        if coordinator:
+            a, b = (runs[m].pop("params") for m in MODES)
+            repeats.append({"order": list(order), **runs, "weight_rel_diff": float((a - b).norm() / a.norm())})
+    for phase in phases.values():
+        phase.close()
+    engines.shutdown()
+    if coordinator:
+        payload = {"settings": {"round": "shipped policy" if args.policy else "synthetic lengths",
+                                "prompts": args.prompts, "responses": args.responses, "repeats": args.repeats,
+                                "seed": args.seed, "trigger": list(trigger)},
+                   "caveat": CAVEAT, "load_before": load_before, "repeats": repeats}
+        Path(args.payload).write_text(json.dumps(payload))
+    world.shutdown()
 
 
 def main() -> None:
@@ -245,6 +258,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF Qwen2 dir (default: random, the policy's shape)")
     parser.add_argument("--policy", action="store_true",
                         help="sample a real long round from --model (the shipped policy and its task)")
+    parser.add_argument("--out", help="write the raw results here (JSON), e.g. bench/results/stream.json")
+    parser.add_argument("--payload", help=argparse.SUPPRESS)  # the worker's results, for the launcher
     args = parser.parse_args()
     if args.policy and args.model is None:
         args.model = str(REPO / "assets" / "policy")
@@ -253,11 +268,18 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_random_qwen2(Path(tmp) / "model", seed=args.seed, **POLICY_SHAPE))
+        payload = Path(tmp) / "payload.json"
         argv = [str(Path(__file__).resolve()), "--prompts", str(args.prompts), "--responses", str(args.responses),
                 "--repeats", str(args.repeats), "--seed", str(args.seed), "--model", model,
-                *(["--policy"] if args.policy else [])]
-        proc = run_torchrun(2, argv, timeout=1800)
-        print(proc.stdout, end="")
+                "--payload", str(payload), *(["--policy"] if args.policy else [])]
+        run_torchrun(2, argv, timeout=3600)
+        results = json.loads(payload.read_text())
+    if args.out:
+        results = json.loads(write_results(args.out, results).read_text())
+        print(f"raw results: {args.out}")
+    else:
+        results.update(command="(not written)", commit="-", date="-", machine="-")
+    print(stream(results))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""End-to-end ablation of RollPacker on the built-in example, with accuracy parity, TRL and a projection.
+"""End-to-end ablation of RollPacker on the built-in example, with paired accuracy parity and the TRL peer.
 
     python -m bench.e2e [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
+                        [--results bench/results/e2e.json]
 
 Runs the real program (``torchrun --nproc_per_node 2 -m rollpacker.train --config
 configs/tiny-cpu.yaml``) in five cumulative modes (baseline, tail batching,
@@ -13,12 +14,13 @@ chunk's checkpoint) and the chunks of all runs are interleaved, in alternating
 order, so every mode sees the same load on shared cores. The first step of
 each chunk (engine and reward-pool start) is left out of the timings.
 
-Printed and written to ``OUT/e2e.json``: the ablation table, the accuracy
-accuracy parity (RollPacker minus the baseline at the same seed, mean and
+Written to ``--results`` (tracked; the README's block is rendered from it by
+``python -m bench.report``) and printed: the ablation, the speedup per seed,
+accuracy parity as RollPacker minus the baseline at the same seed (mean and
 95% t-interval) on the training reward (plot: ``docs/e2e_reward.png``) and on
-the final policies' held-out pass@1 (``--eval-n``), the TRL GRPOTrainer peer
-(``bench/trl_grpo.py``), the cluster-scale projection from ``rollpacker.sim``,
-and a Markdown block for the README. ``--report-only`` re-reads existing runs.
+the final policies' held-out pass@1 (``--eval-n``), and the TRL GRPOTrainer
+peer (``bench/trl_grpo.py``). ``--report-only`` re-reads existing runs. The
+cluster-scale projection is ``python -m bench.bench_sim``'s.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import math
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -36,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import e2e_report as rep
+from bench.results import write_results
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/tiny-cpu.yaml"
 CYCLE_STEPS = 5  # eta 1.25 in tiny-cpu.yaml: 4 short + 1 long round per cycle
-PUBLISHED_E2E = {"7b": (1.30, 2.03), "14b": (1.48, 2.22), "32b": (2.21, 2.56)}  # tail batching / all components
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/e2e")
     p.add_argument("--trl-python", default=sys.executable, help="python with trl installed for bench/trl_grpo.py")
     p.add_argument("--no-trl", action="store_true")
-    p.add_argument("--no-sim", action="store_true", help="skip the cluster-scale projection")
+    p.add_argument("--results", default="bench/results/e2e.json", help="raw results (tracked)")
     p.add_argument("--report-only", action="store_true", help="re-read the runs in --out, run nothing")
     p.add_argument("--chunk-timeout", type=float, default=3600.0, help="seconds per torchrun chunk")
     p.add_argument("--eval-n", type=int, default=4,
@@ -170,34 +171,6 @@ def run_trl(args: argparse.Namespace, tag: str) -> str | None:
     return f"bench/trl_grpo.py exited {rc} (see {log})" if rc else None
 
 
-def project() -> list[dict[str, Any]]:
-    """The real scheduler on modeled H800 engines at the published settings (bench/bench_sim.py's)."""
-    from bench.bench_sim import PUBLISHED
-    from rollpacker.sim import SimSettings, longtail_trace, run_mode, summarize
-
-    rows = []
-    for model, limit, gpus, tp, pub_base, pub_tail in PUBLISHED:
-        trace = longtail_trace(2048, samples=10, median=limit / 28, limit=limit, seed=0)
-        plain = SimSettings(model=model, gpus=gpus, tp=tp, limit=limit)
-        base = run_mode("baseline", plain, trace)
-        tail = summarize(base, run_mode("tail_batching", plain, trace))
-        planned = summarize(base, run_mode("tail_batching", SimSettings(model=model, gpus=gpus, tp=tp, limit=limit,
-                                                                         planner=True), trace))
-        rows.append({"model": model, "limit": limit, "gpus": gpus, "tp": tp, "published_baseline_s": pub_base,
-                     "published_tail_s": pub_tail, "published_speedup": pub_base / pub_tail, **tail,
-                     "planner_tail_mean_s": planned["tail_mean_s"], "planner_speedup": planned["speedup"],
-                     "published_e2e_tail": PUBLISHED_E2E[model][0], "published_e2e_all": PUBLISHED_E2E[model][1]})
-    return rows
-
-
-PROJECTION_NOTE = (
-    "Assumptions: P0=128, R0=8, η=1.25, rollout TP 1/2/2 on 16/32/64 modeled H800s (the planner may change it "
-    "per round kind), two 4-short + 1-long cycles; lengths from the log-normal long-tail model of "
-    "`bench/bench_sim.py` (median = limit/28, σ 0.8 per prompt × 0.65 per response). The simulator models "
-    "rollout only: training, weight sync and reward are not modeled, so its ratios compare with the published "
-    "rollout figures; the published end-to-end figures also contain the async-reward and stream-trainer gains.")
-
-
 def held_out_runs(out: Path, names: list[str], eval_n: int) -> dict[str, dict[str, float]]:
     """pass@1 and median response length on the held-out prompts of each run's final policy (its
     checkpoint's HF export; ``"start"``: the starting policy), cached in ``out/eval.json``. Unlike
@@ -275,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--report-only"]
-    command = " ".join(["python -m bench.e2e", *map(shlex.quote, given)])  # the command that made the runs
     runs = planned_runs(args)
     from rollpacker.config import load_config
     for _, mode, seed in runs:  # an unknown key fails here, not an hour into the runs
@@ -325,67 +296,29 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"key": mode.key, "label": mode.label, "summary": d["summary"], "note": note,
                      "speedup": rep.speedup(base["summary"], d["summary"]), "reward_last_cycle": d["reward_last_cycle"],
                      "held_out": held_out.get(f"{mode.key}-s{s0}", math.nan)})
-    trained = {name: d["summary"]["prompts_trained"] for name, d in data.items()}
-    timing_note = (f"seed {s0}; seconds per step exclude each process's first step (steps "
-                   f"{', '.join(map(str, base['summary']['warm_steps']))}: engine and reward-pool start) and "
-                   "checkpoint writes, per round kind weighted by its share of the run (4 short : 1 long); "
-                   f"trained prompts per run: {sorted(set(trained.values()))}")
-    ablation = rep.ablation_markdown(rows)
-    print(f"\nAblation ({timing_note}):\n{ablation}")
     per_seed = {s: rep.speedup(data[f"{rep.BASELINE}-s{s}"]["summary"], data[f"{rep.ROLLPACKER}-s{s}"]["summary"])
                 for s in args.rp_seeds if s in args.seed_list}
-    per_seed_text = ("All components vs the baseline, per seed: " + ", ".join(f"{x:.2f}×" for x in per_seed.values())
-                     + f" (geometric mean {math.exp(statistics.fmean(map(math.log, per_seed.values()))):.2f}×)"
-                     if per_seed else "")
-    print(per_seed_text)
 
     def paired(values: dict[str, float]) -> dict[str, Any]:
         return rep.paired_difference({s: values[f"{rep.BASELINE}-s{s}"] for s in args.seed_list},
                                      {s: values[f"{rep.ROLLPACKER}-s{s}"] for s in args.rp_seeds})
 
-    verdict = paired({name: d["reward_last_cycle"] for name, d in data.items()})
-    reward_text = rep.paired_text(verdict, "RollPacker's mean reward over the last cycle of trained prompts")
-    print("\nAccuracy parity: " + reward_text)
-    held_verdict, held_text = None, ""
-    if args.eval_n:
-        held_verdict = paired(held_out)
-        held_text = (f"Held-out pass@1 of the final policies ({args.eval_n} samples per eval prompt; starting policy "
-                     f"{held_out['start']:.3f}): " + rep.paired_text(held_verdict, "RollPacker's held-out pass@1"))
-        print(held_text)
-
     window = (base["prompts"][-1] - cycle_prompts, base["prompts"][-1])
     mine = data[f"{rep.ROLLPACKER}-s{s0}"]
-    ours = [("RollPacker", dict(mine["summary"], reward_window=mine["reward_last_cycle"],
-                                accuracy_window=mine["accuracy_last_cycle"]))]
-    trl = rep.trl_summary(trl_runs, window) if trl_runs else None
-    trl_cmd = trl_command(args, Path(args.out) / "trl_before.json")
-    trl_md = rep.trl_markdown(trl, skip, ours)
-    how = (f"seed {s0}; TRL s/step: mean over {len(trl_runs)} run(s), one before and one after ours, first step "
-           f"of each left out; command: {shlex.join(trl_cmd)}" if trl_runs else "")
-    print(f"\nTRL peer{f' ({how})' if how else ''}:\n{trl_md}")
-
-    plot_path = REPO / args.plot
-    plot(data, trl_runs[0] if trl_runs else None, cycle_prompts, plot_path)
-    print(f"\nplot: {plot_path}")
-
-    projection = [] if args.no_sim else project()
-    proj_md = rep.projection_markdown(projection) if projection else "(skipped: --no-sim)"
-    print(f"\nCluster-scale projection (rollpacker.sim):\n{proj_md}\n{PROJECTION_NOTE}")
-
-    block = (f"**End to end on the built-in example** (`{command}`: the real program, 2 CPU ranks, "
-             f"P0={args.p0}, R0={args.r0}, {args.steps} steps; {timing_note}):\n\n{ablation}\n\n{per_seed_text}\n\n"
-             f"Accuracy parity ({args.plot}): {reward_text}\n\n"
-             f"{held_text}\n\n"
-             f"![reward vs trained prompts]({args.plot})\n\n{trl_md}\n\n"
-             f"Cluster-scale projection (`rollpacker.sim`):\n\n{proj_md}\n\n{PROJECTION_NOTE}\n")
-    print(f"\n--- Markdown for README (Results) ---\n{block}--- end ---")
-    result = {"command": command, "settings": {k: v for k, v in vars(args).items()}, "timing_note": timing_note,
-              "ablation": rows, "per_seed_speedup": per_seed, "parity": verdict, "held_out_pass": held_out,
-              "held_out_parity": held_verdict, "trl": trl, "trl_raw": trl_runs,
-              "trl_skip": skip, "trl_command": trl_cmd, "projection": projection, "projection_note": PROJECTION_NOTE,
-              "runs": data, "manifest": manifest, "markdown": block}
-    (out / "e2e.json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"results: {out / 'e2e.json'}")
+    plot(data, trl_runs[0] if trl_runs else None, cycle_prompts, REPO / args.plot)
+    result = {"settings": {k: v for k, v in vars(args).items()}, "seed": s0,
+              "trained_per_run": sorted({d["summary"]["prompts_trained"] for d in data.values()}),
+              "ablation": rows, "per_seed_speedup": per_seed,
+              "reward_parity": paired({name: d["reward_last_cycle"] for name, d in data.items()}),
+              "held_out_pass": held_out, "held_out_parity": paired(held_out) if args.eval_n else None,
+              "rollpacker_window": dict(mine["summary"], reward_window=mine["reward_last_cycle"],
+                                        accuracy_window=mine["accuracy_last_cycle"]),
+              "trl": rep.trl_summary(trl_runs, window) if trl_runs else None, "trl_raw": trl_runs,
+              "trl_skip": skip, "trl_command": trl_command(args, Path(args.out) / "trl_before.json"),
+              "runs": data, "manifest": manifest}
+    path = write_results(args.results, result)
+    print("\n" + rep.readme_markdown(json.loads(path.read_text())))
+    print(f"\nplot: {args.plot}\nraw results: {path} (README: python -m bench.report)")
     return 0
 
 

@@ -220,17 +220,29 @@ def trl_markdown(t: dict[str, Any] | None, skip: str | None, ours: Sequence[tupl
     return "\n".join(out)
 
 
-def projection_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    out = ["| model, limit, GPUs | published rollout s (×) | simulated rollout s (×) | + planner (×) "
-           "| published end-to-end: tail batching / all |",
-           "|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| Qwen2.5-{r['model'].upper()}, {r['limit'] // 1024}k, {r['gpus']} | "
-                   f"{r['published_baseline_s']:.0f} → {r['published_tail_s']:.0f} "
-                   f"({r['published_speedup']:.2f}×) | "
-                   f"{r['baseline_mean_s']:.0f} → {r['tail_mean_s']:.0f} ({r['speedup']:.2f}×) | "
-                   f"{r['planner_tail_mean_s']:.0f} ({r['planner_speedup']:.2f}×) | "
-                   f"{r['published_e2e_tail']:.2f}× / {r['published_e2e_all']:.2f}× |")
+def readme_markdown(r: dict[str, Any]) -> str:
+    """The README block of one ``bench.e2e`` results file (as read back from JSON: seed keys are strings)."""
+    s = r["settings"]
+    base = next(row for row in r["ablation"] if row["key"] == BASELINE)["summary"]
+    timing = (f"seed {r['seed']}; seconds per step exclude each process's first step (steps "
+              f"{', '.join(map(str, base['warm_steps']))}: engine and reward-pool start) and checkpoint writes, "
+              f"per round kind weighted by its share of the run (4 short : 1 long); trained prompts per run: "
+              f"{r['trained_per_run']}")
+    out = [f"The real program, 2 CPU ranks, P0={s['p0']}, R0={s['r0']}, {s['steps']} steps; {timing}.", "",
+           ablation_markdown(r["ablation"]), ""]
+    speedups = list(r["per_seed_speedup"].values())
+    if speedups:
+        out += ["All components vs the baseline, per seed: " + ", ".join(f"{x:.2f}×" for x in speedups)
+                + f" (geometric mean {math.exp(statistics.fmean(map(math.log, speedups))):.2f}×).", ""]
+    out += ["Accuracy parity: " + paired_text(r["reward_parity"], "RollPacker's mean reward over the last cycle of "
+                                              "trained prompts") + ".", ""]
+    if r["held_out_parity"]:
+        out += [f"Held-out pass@1 of the final policies ({s['eval_n']} samples per eval prompt; starting policy "
+                f"{r['held_out_pass']['start']:.3f}): " + paired_text(r["held_out_parity"], "RollPacker's") + ".", ""]
+    trl = r["trl"]
+    how = (f" (seed {r['seed']}; TRL s/step: mean over {trl['runs']} run(s), one before and one after ours, first "
+           f"step of each left out)" if trl else "")
+    out += [f"Against TRL{how}:", "", trl_markdown(trl, r["trl_skip"], [("RollPacker", r["rollpacker_window"])])]
     return "\n".join(out)
 
 

@@ -242,17 +242,19 @@ def check_offload_and_state(subject: Subject) -> dict[str, Any]:
     first = Trainer(cfg, subject.model_dir, subject.layout)
     first.train_step(groups)
     before, claimed = _allocated(subject.device), expected_resident_bytes(first)
-    offload_s = first.offload()
+    offloaded = first.offload()
     after_offload = _allocated(subject.device)
-    onload_s = first.onload()
+    onloaded = first.onload()
     after_onload = _allocated(subject.device)
     freed = before - after_offload
     result: dict[str, Any] = {
         "allocated_before": before, "allocated_after_offload": after_offload, "allocated_after_onload": after_onload,
-        "claimed_bytes": claimed, "freed_bytes": freed, "offload_s": offload_s, "onload_s": onload_s}
-    memory_ok = True
+        "claimed_bytes": claimed, "reported_bytes": offloaded.bytes, "freed_bytes": freed,
+        "offload_s": offloaded.seconds, "onload_s": onloaded.seconds}
+    memory_ok = onloaded.bytes == offloaded.bytes
     if subject.cuda:
-        memory_ok = abs(freed - claimed) <= 0.02 * claimed and abs(after_onload - before) <= 0.01 * before
+        memory_ok &= (abs(freed - claimed) <= 0.02 * claimed and abs(offloaded.bytes - claimed) <= 0.02 * claimed
+                      and abs(after_onload - before) <= 0.01 * before)
     state = first.state_dict()
     first.train_step(groups)
     expected = first.backend.optimizer_state_dict()

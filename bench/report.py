@@ -5,8 +5,9 @@
 
 A generated block sits between ``<!-- bench.report NAME -->`` and
 ``<!-- /bench.report -->`` and is produced only from ``bench/results/NAME.json``,
-whose command, commit, date and machine it prints; ``tests/test_readme_figures.py``
-runs ``--check``, so a figure in such a block cannot drift from its raw result.
+whose command, commit, date, machine and load average it prints;
+``tests/test_readme_figures.py`` runs ``--check``, so a figure in such a block
+cannot drift from its raw result.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import math
 import re
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
+from bench import e2e_report
 from bench.results import REPO
 
 RESULTS = REPO / "bench" / "results"
@@ -27,7 +28,40 @@ BLOCK = re.compile(r"(<!-- bench\.report (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!
 
 
 def provenance(r: dict[str, Any]) -> str:
-    return f"`{r['command']}` at {r['commit']}, {r['date'][:10]}, {r['machine']}"
+    load = (f", load average {', '.join(f'{x:.1f}' for x in r['load_average'])} (1/5/15 min) at the end"
+            if "load_average" in r else "")
+    return f"`{r['command']}` at {r['commit']}, {r['date'][:10]}, {r['machine']}{load}"
+
+
+def rollout(r: dict[str, Any]) -> str:
+    """bench_rollout: baseline vs tail batching on the reference engine, per round kind and amortized."""
+    def seconds(rounds: list[dict[str, Any]], kind: str | None = None) -> list[float]:
+        return [x["rollout_seconds"] + x["reward_seconds"] for x in rounds if kind in (None, x["kind"])]
+
+    base, tail = r["rounds"]["baseline"], r["rounds"]["tail_batching"]
+    throughput = statistics.fmean(r["throughput"])
+    s = r["settings"]
+
+    def bound_share(rounds: list[dict[str, Any]]) -> float:
+        return sum(x["generated_tokens"] for x in rounds) / throughput / sum(seconds(rounds))
+
+    base_s, short_s = statistics.fmean(seconds(base)), statistics.fmean(seconds(tail, "short"))
+    tokens = [sum(x["generated_tokens"] for x in rounds) for rounds in (base, tail)]
+    same = "both modes trained the same prompts" if r["same_prompts"]["tail_batching"] else "**the modes trained different prompts**"
+    return "\n".join([
+        f"P0={s['p0']}, R0={s['r0']}, η={s['eta']}, {s['cycles']} cycles of 4 short + 1 long round, "
+        f"{s['threads']} thread(s); {same}; {provenance(r)}:", "",
+        "| | baseline | tail batching | ratio |", "|---|---|---|---|",
+        f"| short round | {base_s:.2f} s | {short_s:.2f} s | {base_s / short_s:.2f}× |",
+        f"| long round | – | {statistics.fmean(seconds(tail, 'long')):.2f} s | |",
+        f"| amortized over {len(base)} rounds | {sum(seconds(base)):.1f} s | {sum(seconds(tail)):.1f} s "
+        f"| {sum(seconds(base)) / sum(seconds(tail)):.2f}× |",
+        f"| generated tokens | {tokens[0]} | {tokens[1]} | {tokens[1] / tokens[0]:.2f}× |",
+        f"| bubble fraction | {statistics.fmean(x['bubble_fraction'] for x in base):.2f} "
+        f"| {statistics.fmean(x['bubble_fraction'] for x in tail):.2f} | |",
+        f"| share of the bubble-free bound reached | {bound_share(base):.0%} | {bound_share(tail):.0%} | |", "",
+        f"Bubble-free bound: a mode's generated tokens at the engine's saturated throughput, measured before and "
+        f"after the rounds ({' / '.join(f'{t:.0f}' for t in r['throughput'])} tokens/s)."])
 
 
 def rollout_history(r: dict[str, Any]) -> str:
@@ -113,8 +147,145 @@ def e2e_history(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history}
+def e2e(r: dict[str, Any]) -> str:
+    """bench.e2e: the ablation, the speedup per seed, paired accuracy parity and the TRL peer."""
+    return f"{provenance(r)}.\n\n{e2e_report.readme_markdown(r)}"
+
+
+def sim(r: dict[str, Any]) -> str:
+    """bench_sim: rollout seconds on the modeled cluster at the published settings, beside the published ones."""
+    s, t, models = r["settings"], r["settings"]["trace"], r["models"]
+    lines = [f"The real scheduler over modeled H800 engines (`rollpacker.sim`); {provenance(r)}:", "",
+             "| model, limit, GPUs | published rollout s (×) | simulated rollout s (×) | + planner (×) "
+             "| published end-to-end: tail batching / all |", "|---|---|---|---|---|"]
+    for m in models:
+        pub, tail, plan = m["published"], m["mean"]["tail_batching"], m["mean"]["planner"]
+        lines.append(f"| Qwen2.5-{m['model'].upper()}, {m['limit'] // 1024}k, {m['gpus']} "
+                     f"| {pub['baseline_s']:.0f} → {pub['tail_s']:.0f} ({pub['speedup']:.2f}×) "
+                     f"| {tail['baseline_mean_s']:.0f} → {tail['tail_mean_s']:.0f} ({tail['speedup']:.2f}×) "
+                     f"| {plan['tail_mean_s']:.0f} ({plan['speedup']:.2f}×) "
+                     f"| {pub['e2e_tail_batching']:.2f}× / {pub['e2e_all']:.2f}× |")
+    base = [m["mean"]["tail_batching"]["baseline_mean_s"] / m["published"]["baseline_s"] for m in models]
+    ratio = [m["speedup_ratio"] for m in models]
+    lines += ["", f"Assumptions: P0={s['p0']}, R0={s['r0']}, η={s['eta_p']}, rollout TP "
+                  f"{'/'.join(str(m['tp']) for m in models)} on {'/'.join(str(m['gpus']) for m in models)} modeled "
+                  f"H800s (the planner may change it per round kind), {s['rounds']} rounds per mode (4 short + 1 long "
+                  f"per cycle), {s['seeds']} seed(s); lengths from the log-normal long-tail model of "
+                  f"`bench/bench_sim.py` (median = limit/{t['median_divisor']}, σ {t['sigma_prompt']} per prompt × "
+                  f"{t['sigma_response']} per response). The simulator models rollout only: training, weight sync and "
+                  "reward are not modeled, so its ratios compare with the published rollout figures; the published "
+                  "end-to-end figures also contain the async-reward and stream-trainer gains. The model's baseline "
+                  f"is {min(base):.2f}–{max(base):.2f}× the published seconds (its step-time model is optimistic), so "
+                  f"its ratios are {min(ratio):.2f}–{max(ratio):.2f}× the published ones."]
+    return "\n".join(lines)
+
+
+def stream(r: dict[str, Any]) -> str:
+    """bench_stream: one long round, the stream trainer against rank 1 generating to the end, per repeat."""
+    s, reps = r["settings"], r["repeats"]
+    lines = [f"One long round ({s['round']}) of {s['prompts']} prompts × {s['responses']} responses per repeat, "
+             f"hand-off window {s['trigger'][0]:.0%}–{s['trigger'][1]:.0%} of the requests; {provenance(r)}:", "",
+             "| repeat | response tokens (median, longest) | step s: baseline / stream | baseline ÷ stream "
+             "| rollout s: baseline / stream "
+             "| training after rollout s: baseline / stream | hand-off at | migrated: requests, tokens "
+             "| training before rollout end | weight Δ (relative) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, x in enumerate(reps):
+        b, t = x["baseline"], x["stream"]
+        lengths = b["lengths"]  # the stream mode's are the same samples (weight Δ shows it)
+        lines.append(f"| {i} | {sum(lengths)} ({statistics.median(lengths):g}, {max(lengths)}) "
+                     f"| {b['step_s']:.1f} / {t['step_s']:.1f} | {b['step_s'] / t['step_s']:.2f}× "
+                     f"| {b['rollout_s']:.1f} / {t['rollout_s']:.1f} "
+                     f"| {b['step_s'] - b['rollout_s']:.1f} / {t['step_s'] - t['rollout_s']:.1f} "
+                     f"| {t['handoff_fraction']:.0%} | {t['migrated_requests']}, {t['migrated_tokens']} "
+                     f"| {t['overlap_share']:.0%} | {x['weight_rel_diff']:.1e} |")
+    ratios = [x["baseline"]["step_s"] / x["stream"]["step_s"] for x in reps]
+    rollout = [statistics.median(x[m]["rollout_s"] for x in reps) for m in ("baseline", "stream")]
+    after = [statistics.median(x[m]["step_s"] - x[m]["rollout_s"] for x in reps) for m in ("baseline", "stream")]
+    lines += ["", f"Medians: baseline ÷ stream {statistics.median(ratios):.2f}× (range {min(ratios):.2f}–"
+                  f"{max(ratios):.2f}×); rollout {rollout[0]:.1f} / {rollout[1]:.1f} s; training after rollout "
+                  f"{after[0]:.1f} / {after[1]:.1f} s. {r['caveat']}."]
+    return "\n".join(lines)
+
+
+def trainer_run(r: dict[str, Any]) -> str:
+    """The CPU trainer benchmarks' settings and provenance."""
+    s = r["settings"]
+    return (f"{s['steps']} steps of {s['prompts']} × {s['responses']} samples, forward + backward of the shipped "
+            f"policy, micro-batch budget {s['micro_batch_tokens']} tokens, {s['threads']} thread(s); {provenance(r)}")
+
+
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
+
+
+def packing(r: dict[str, Any]) -> str:
+    """bench_packing: the CPU trainer's padded micro-batches packed by real tokens vs by padded cost."""
+    steps = r["steps"]
+    real = sum(x["real_tokens"] for x in steps)
+    lines = [f"{trainer_run(r)}:", "",
+             "| packing of the padded (CPU) micro-batches | seconds | padded tokens | micro-batches |",
+             "|---|---|---|---|"]
+    for mode, label in (("tokens", "first-fit decreasing by real tokens (before)"),
+                        ("padded", "length-sorted runs of least padded cost (now)")):
+        total = {k: sum(x[mode][k] for x in steps) for k in ("seconds", "padded_tokens", "micro_batches")}
+        lines.append(f"| {label} | {total['seconds']:.2f} | {total['padded_tokens'] / real:.2f}× real "
+                     f"| {total['micro_batches']} |")
+    per_step = [x["tokens"]["seconds"] / x["padded"]["seconds"] for x in steps]
+    lines.append(f"| ratio | {r['ratio']:.2f}× (per step {spread(per_step)}) | | |")
+    return "\n".join(lines)
+
+
+def attention(r: dict[str, Any]) -> str:
+    """bench_attention: Megatron's unfused DotProductAttention vs fused SDPA on the same micro-batches."""
+    steps = r["steps"]
+    lines = [f"{trainer_run(r)}:", "",
+             "| workload | tokens | Megatron `DotProductAttention` | SDPA | ratio (per step) |",
+             "|---|---|---|---|---|"]
+    for name, ratio in r["ratio"].items():
+        rows = [x[name] for x in steps]
+        seconds = {m: sum(x[m]["seconds"] for x in rows) for m in ("megatron", "sdpa")}
+        lines.append(f"| {name} | {sum(x['tokens'] for x in rows):,} | {seconds['megatron']:.2f} s "
+                     f"| {seconds['sdpa']:.2f} s | {ratio:.2f}× "
+                     f"({spread([x['megatron']['seconds'] / x['sdpa']['seconds'] for x in rows])}) |")
+    return "\n".join(lines)
+
+
+def engine(r: dict[str, Any]) -> str:
+    """bench_engine: the reference engine vs transformers' static-batch generate, best of interleaved repeats."""
+    s = r["settings"]
+    lines = [f"Model {r['model']}, batch {s['batch']}, {s['threads']} thread(s), greedy, best of {s['repeats']} "
+             f"interleaved repeats; {provenance(r)}:", "",
+             "| workload | reference engine | transformers `generate` | ratio (per repeat) |", "|---|---|---|---|"]
+    for w in r["workloads"]:
+        n, best = w["output_length"], w["best"]
+        per_repeat = spread([t["engine_tok_s"] / t["transformers_tok_s"] for t in w["trials"]])
+        lines.append(f"| {w['workload']} ({w['requests']} requests, output median {n['median']}, max {n['max']} "
+                     f"tokens) | {best['engine_tok_s']:.0f} tok/s | {best['transformers_tok_s']:.0f} tok/s "
+                     f"| {w['ratio']:.2f}× ({per_repeat}; goal ≥ {w['goal']:.1f}×: "
+                     f"{'met' if w['ratio'] >= w['goal'] else 'not met'}) |")
+    return "\n".join(lines)
+
+
+def reward(r: dict[str, Any]) -> str:
+    """bench_reward: the reward pool vs scoring in the trainer, the adaptive code timeout vs a fixed one."""
+    lines = [f"{provenance(r)}:", "", "| benchmark | baseline | RollPacker | ratio |", "|---|---|---|---|"]
+    if m := r.get("math"):
+        lines.append(f"| math-verify, {m['samples']:,} samples | in-process {m['in_process_s']:.0f} s "
+                     f"| {m['workers']} workers {m['pool_s']:.0f} s (+{m['pool_startup_s']:.1f} s start-up) "
+                     f"| {m['speedup']:.2f}× |")
+    if c := r.get("code"):
+        for name, a in c["adaptive"].items():
+            lines.append(f"| code, {c['samples']} samples, {c['loops']} loop forever | fixed {c['t_max']:g} s "
+                         f"timeout: {c['fixed_s']:.1f} s | {name}: {a['seconds']:.1f} s ({a['correct_cut']} correct "
+                         f"solutions cut) | {a['speedup']:.2f}× |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout,
+    "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
+    "sim": sim, "stream": stream, "packing": packing, "attention": attention,
+    "engine": engine, "reward": reward}
 
 
 def render(text: str) -> str:

@@ -2,7 +2,7 @@
 
 Each file under ``bench/results/`` holds one run: the command that produced it,
 the commit it ran on (with ``+dirty`` when the tree had changes), the date
-and machine, and the benchmark's own payload.
+and machine, the load average when it ended, and the benchmark's own payload.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def write_results(path: str | Path, payload: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"command": command(), "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", **payload}
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "load_average": os.getloadavg(), **payload}  # 1/5/15 min: how much else ran on the cores
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path

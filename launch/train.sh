@@ -24,6 +24,12 @@ port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 if gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); then :; else gpus=0; fi
 nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
 
+# A store of each restart's own for the workers' process groups (rank 0 hosts a new one per
+# rendezvous round): on the agent's shared store a restarted worker can read a dead worker's
+# address, and the nodes' restart counts, which could tell the attempts apart, can disagree
+# (rollpacker/runtime/world.py, attempt_store).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 echo "rollpacker: ${#nodes[@]} node(s) x ${nproc} ranks, rendezvous ${head_node}:${port}, config ${config}"
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
   python -m torch.distributed.run \

@@ -19,8 +19,9 @@ right before the rollout that uses them, so a regroup between rounds only
 chooses which engine set wakes up.
 
 Every hand-off is a fixed list of actions; each is timed and put on the
-rank's timeline. On CPU the actions are cheap no-ops inside the backends, but
-they are still called and logged, so the CPU run exercises the GPU sequence.
+rank's timeline. On CPU the engines' actions are cheap no-ops, while the
+trainer's release and restore its memory as on GPU; all are called and logged,
+so the CPU run exercises the GPU sequence.
 Any transition not in the table is a bug and raises.
 """
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 The trainer and the rollout engines share every GPU and take turns
 (:mod:`rollpacker.phases`): in **rollout** the trainer's params and optimizer
-state wait on the host, its gradient buffer is freed (Megatron's
-``offload_to_cpu`` drops it and zero-fills it on reload) and one engine set
+state wait on the host, its gradient buffer is freed (dropped on offload and
+zero-filled on onload, like Megatron's ``offload_to_cpu``) and one engine set
 holds its weights and KV pool; in **sync** the trainer is back while the
 awake engine set's weights are resumed and the new weights pushed into it;
 in **train** the engines are released and the trainer adds activations and

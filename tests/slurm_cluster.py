@@ -75,14 +75,23 @@ class LocalSlurm:
             time.sleep(1)
         raise RuntimeError(f"Slurm did not come up: {out.stdout} {out.stderr}\n{self.logs()}")
 
-    def sbatch(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["sbatch", "--wait", *args], cwd=cwd, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+    def sbatch(self, args: list[str], cwd: Path) -> subprocess.Popen:
+        """``sbatch --wait ARGS``, started: it returns with the job's exit code once the job ends."""
+        return subprocess.Popen(["sbatch", "--wait", *args], cwd=cwd, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def logs(self) -> str:
         return "\n".join(p.read_text()[-3000:] for p in (self.dir / "log").glob("*.log"))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 90) -> None:
+        # A job still running (a test that failed or timed out) is cancelled and left to end while
+        # slurmctld is up: a slurmstepd that cannot report its job's end to it outlives the daemons
+        # and makes existing_slurm() refuse every later cluster on this machine.
+        subprocess.run(["scancel", "--partition=debug"], env=self.env, capture_output=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
+                                                        text=True).stdout.strip():
+            time.sleep(1)
         for pid_file in self.pid_files:
             if pid_file.exists():
                 with contextlib.suppress(ProcessLookupError, ValueError):

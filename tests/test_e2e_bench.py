@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import math
 from pathlib import Path
 
@@ -127,11 +128,24 @@ def test_tables_format():
     assert "| 0.250 | 0.281 |" in md[-1]
     steps = [{"round": "short", "rollout_tp": 1}, {"round": "long", "rollout_tp": 1}, {"round": "long", "rollout_tp": 2}]
     assert rep.planned_tps(steps) == {"short": "1", "long": "1/2"}
-    proj = rep.projection_markdown([{"model": "7b", "limit": 8192, "gpus": 16, "published_baseline_s": 82.0,
-                                     "published_tail_s": 47.0, "published_speedup": 82 / 47, "baseline_mean_s": 52.0,
-                                     "tail_mean_s": 20.0, "speedup": 2.6, "planner_tail_mean_s": 19.0,
-                                     "planner_speedup": 2.74, "published_e2e_tail": 1.3, "published_e2e_all": 2.03}])
-    assert "| Qwen2.5-7B, 8k, 16 | 82 → 47 (1.74×) | 52 → 20 (2.60×) | 19 (2.74×) | 1.30× / 2.03× |" in proj
+
+
+def test_readme_block_renders_from_the_results_file_as_read_back():
+    """The README block comes from bench/results/e2e.json after a JSON round trip (seed keys become strings)."""
+    summary = rep.mode_summary(tail_run(2.0, 10.0), {1, 6})
+    rows = [{"key": m.key, "label": m.label, "summary": summary, "speedup": 1.0, "note": "", "reward_last_cycle": 0.25,
+             "held_out": 0.28} for m in rep.MODES]
+    base, ours = {0: 0.30, 1: 0.20, 2: 0.25}, {0: 0.32, 1: 0.19, 2: 0.27}
+    result = {"settings": {"p0": 16, "r0": 4, "steps": 10, "eval_n": 4}, "seed": 0, "trained_per_run": [160],
+              "ablation": rows, "per_seed_speedup": {0: 1.25, 1: 1.6, 2: 1.28},
+              "reward_parity": rep.paired_difference(base, ours), "held_out_pass": {"start": 0.285},
+              "held_out_parity": rep.paired_difference(base, base), "rollpacker_window": summary,
+              "trl": None, "trl_skip": "--no-trl given"}
+    md = rep.readme_markdown(json.loads(json.dumps(result)))
+    assert "steps 1, 6: engine and reward-pool start" in md and "trained prompts per run: [160]" in md
+    assert "per seed: 1.25×, 1.60×, 1.28× (geometric mean 1.37×)" in md
+    assert "s0 +0.020, s1 -0.010, s2 +0.020" in md and "over 3 seeds → **parity" in md
+    assert "starting policy 0.285" in md and "TRL GRPOTrainer peer: skipped (--no-trl given)." in md
 
 
 def test_paired_difference_interval_and_verdicts():

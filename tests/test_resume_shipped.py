@@ -164,6 +164,32 @@ def _shared(run_dir: Path, step: int) -> dict:
     return torch.load(run_dir / "checkpoints" / f"step_{step:08d}" / "shared.pt", weights_only=False)
 
 
+def assert_no_prompt_lost_or_repeated(run_dir: Path, steps: int) -> None:
+    """The ledger of a tiny-cpu run with P0=4 (FAST) that ended with a checkpoint at ``steps``: one
+    line per step, each (uid, epoch) trained at most once, nothing filtered twice, and every prompt
+    the data served (read back from that checkpoint's data cursor) trained, filtered or still in its
+    long-prompt queue."""
+    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, steps + 1))
+    trained, filtered = read_ledger(run_dir / "ledger.jsonl")
+    assert max(trained.values()) == 1 and max(filtered.values(), default=1) == 1
+    assert not set(trained) & set(filtered)
+    assert all(len(x["trained"]) == 4 for x in lines) and len(trained) == 4 * steps
+
+    from rollpacker.config import load_config
+    from rollpacker.data.dataset import PromptDataset
+    from rollpacker.runtime.preflight import load_tokenizer
+
+    cfg = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml").resolve(REPO_ROOT)
+    data = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model.path, cfg.source))
+    shared = _shared(run_dir, steps)
+    cursor = shared["data"]
+    served = [(p.uid, p.epoch) for p in data.take(cursor["epoch"] * len(data) + cursor["position"])]
+    queued = [(p["uid"], p["epoch"]) for p in shared["scheduler"]["queue"]["prompts"]]
+    assert len(set(served)) == len(served) == len(trained) + len(filtered) + len(queued)
+    assert set(served) == set(trained) | set(filtered) | set(queued)
+
+
 def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_path):
     run_dir = tmp_path / "runs" / "resume"
     run_dir.parent.mkdir()
@@ -226,27 +252,7 @@ def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_
         for run in launches:
             run.stop()
 
-    # The ledger: one line per step, each (uid, epoch) trained at most once, nothing lost.
-    lines = [json.loads(x) for x in (run_dir / "ledger.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 11))
-    trained, filtered = read_ledger(run_dir / "ledger.jsonl")
-    assert max(trained.values()) == 1 and max(filtered.values(), default=1) == 1
-    assert not set(trained) & set(filtered)
-    assert all(len(x["trained"]) == 4 for x in lines) and len(trained) == 40
-
-    # Every prompt the data served is trained, filtered or still in the final checkpoint's queue.
-    from rollpacker.config import load_config
-    from rollpacker.data.dataset import PromptDataset
-    from rollpacker.runtime.preflight import load_tokenizer
-
-    cfg = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml").resolve(REPO_ROOT)
-    data = PromptDataset.from_config(cfg.data, load_tokenizer(cfg.model.path, cfg.source))
-    shared = _shared(run_dir, 10)
-    cursor = shared["data"]
-    served = [(p.uid, p.epoch) for p in data.take(cursor["epoch"] * len(data) + cursor["position"])]
-    queued = [(p["uid"], p["epoch"]) for p in shared["scheduler"]["queue"]["prompts"]]
-    assert len(set(served)) == len(served) == len(trained) + len(filtered) + len(queued)
-    assert set(served) == set(trained) | set(filtered) | set(queued)
+    assert_no_prompt_lost_or_repeated(run_dir, steps=10)
 
     # What does not depend on timing equals an uninterrupted run's: one row per step, 4 short rounds
     # (5 prompts raced, 4 kept, 1 deferred) then a long round of the 4 deferred, streamed.

@@ -1,14 +1,19 @@
 """The pool's failure handling: killed and hung workers, retries, back-pressure, bad input."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
+import psutil
 import pytest
 
 from rollpacker.reward import RewardConfig, RewardPool
+from rollpacker.testing import REPO_ROOT
 
 SLEEPY = "```python\nimport time\ntime.sleep({seconds})\nprint('done')\n```"
 DONE = [{"stdin": "", "stdout": "done"}]
@@ -71,6 +76,82 @@ def test_hung_worker_is_killed_after_its_budget_and_the_sample_retried(pool):
     assert score.seconds >= 3.0 + 1.0
     assert not os.path.exists(f"/proc/{victim}") or open(f"/proc/{victim}/stat").read().split()[2] == "Z"
     assert pool.stats().workers_replaced == 1
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+MARKED = "```python\nimport time\nopen('started', 'w').close()\ntime.sleep({seconds})\nprint('done')\n```"
+
+
+def marked_program(worker: int) -> tuple[int, str]:
+    """Pid and working directory of the MARKED program that ``worker`` runs, once the program runs
+    (the worker has reported it to the pool by then)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            for child in psutil.Process(worker).children():
+                if os.path.exists(os.path.join(child.cwd(), "started")):
+                    return child.pid, child.cwd()
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"worker {worker} never started the program")
+
+
+def zombie_children() -> list[int]:
+    zombies = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                zombies.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return zombies
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_replaced_worker_leaves_no_program_zombie_or_directory(pool, how):
+    """What a worker would clean up after its program falls to the pool when the worker is killed
+    mid-run (SIGKILL here; SIGSTOP: the pool kills it at its deadline): the program's working
+    directory is removed, and the program is killed and reaped even where orphans come back to this
+    process (as to a trainer that is a container's PID 1; here this process is a child subreaper)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+    try:
+        future = pool.submit("code", MARKED.format(seconds=1.0 if how == signal.SIGKILL else 0.5), DONE)
+        worker = wait_busy(pool)
+        program, workdir = marked_program(worker)
+        os.kill(worker, how)
+        score = future.result(timeout=30)
+        assert score.reason == "ok"  # retried once on a fresh worker, as the pool promises
+        stats = pool.stats()
+        assert stats.workers_replaced == 1 and stats.retried == 1 and worker not in stats.worker_pids
+        assert not os.path.exists(workdir) and not os.path.exists(os.path.dirname(workdir))
+        assert not psutil.pid_exists(program)  # killed and reaped, not a zombie of anyone
+        assert zombie_children() == []
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def test_workers_remove_their_scratch_directories_when_the_pools_process_is_killed(tmp_path):
+    """A trainer killed with SIGKILL cannot close its pool: each worker sees its pipe close and
+    removes the scratch directory the pool made for it."""
+    owner = ("import time\nfrom rollpacker.reward import RewardConfig, RewardPool\n"
+             "pool = RewardPool(RewardConfig(num_workers=2))\nassert pool.wait_ready(60)\n"
+             "print('ready', flush=True)\ntime.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", owner], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        assert len(list(tmp_path.glob("rollpacker-reward-*"))) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while list(tmp_path.glob("rollpacker-reward-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("rollpacker-reward-*")) == []
 
 
 def test_submit_blocks_while_the_queue_is_full(pool):

@@ -16,9 +16,9 @@ import pytest
 
 from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
-CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "engine_checks.py"
-HOST_CHECKS = CHECKS.with_name("host_checks.py")
+CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "host_checks.py"
 POLICY = REPO / "assets" / "policy"
+CHECKS_TIMEOUT_S = 720
 TIMEOUT_S = 300
 
 
@@ -35,33 +35,46 @@ def run_in_venv(cmd: list[str], what: str, timeout: float) -> subprocess.Complet
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{what} ran past {timeout}s:\n{(exc.output or '')[-6000:]}")
 
-def run_checks(python: Path, mode: str, torchrun: bool = False) -> dict:
-    # As launch/train.sh starts the trainer: a torchrun worker of a c10d rendezvous (review C2).
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if torchrun else []
-    proc = run_in_venv([str(python), *launcher, str(CHECKS), mode, str(POLICY)], f"engine_checks.py {mode}", TIMEOUT_S)
+
+@pytest.fixture(scope="module")
+def engine_checks(sglang_venv_python) -> tuple[subprocess.CompletedProcess, dict]:
+    """One run of ``host_checks.py`` (its docstring says what runs where) for the three tests below:
+    a torchrun worker pair, as launch/train.sh starts the trainer (c10d rendezvous, review C2)."""
+    cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(CHECKS), str(POLICY), str(free_base_port(1, 2, local_ranks=2))]
+    proc = run_in_venv(cmd, "host_checks.py", CHECKS_TIMEOUT_S)
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith("VERDICT ")]
-    assert verdicts, f"engine_checks.py {mode} printed no verdict (exit {proc.returncode}):\n{proc.stdout[-6000:]}"
+    assert verdicts, f"host_checks.py printed no verdict (exit {proc.returncode}):\n{proc.stdout[-6000:]}"
     verdict = json.loads(verdicts[-1].removeprefix("VERDICT "))
-    assert "crashed" not in verdict, f"engine_checks.py {mode} crashed:\n{verdict['crashed']}\n" \
-                                     f"--- output ---\n{proc.stdout[-4000:]}"
-    return verdict
+    assert "crashed" not in verdict, f"{verdict['crashed']}\n--- output ---\n{proc.stdout[-4000:]}"
+    return proc, verdict
+
+
+def checked(engine_checks, name: str) -> dict:
+    """Section ``name`` of the verdict, with the transformers reference's own check; fails on a crash."""
+    proc, verdict = engine_checks
+    part = verdict.get(name)
+    assert part is not None, f"no {name!r} checks in the verdict {verdict}:\n{proc.stdout[-6000:]}"
+    assert "crashed" not in part, f"{name} checks crashed:\n{part['crashed']}\n--- output ---\n{proc.stdout[-4000:]}"
+    return {**verdict.get("reference", {}), **part}
 
 
 def assert_all_true(verdict: dict) -> None:
-    failed = {k: v for k, v in verdict.items() if k != "seconds" and v is not True}
+    failed = {k: v for k, v in verdict.items() if v is not True}
     assert not failed, json.dumps(failed, indent=1)
 
 
-def test_real_engine_greedy_and_weight_update_session(sglang_venv_python):
+def test_real_engine_greedy_and_weight_update_session(engine_checks):
     """Greedy equals transformers; an update outside begin/end_weight_update is refused (review C1);
     inside the session it lands and greedy equals transformers with the new weights."""
-    verdict = run_checks(sglang_venv_python, "engine")
+    verdict = checked(engine_checks, "engine")
     assert_all_true(verdict)
-    assert set(verdict) >= {"greedy_matches_transformers", "update_outside_session_refused",
-                            "update_in_session_succeeds", "greedy_after_update_matches_transformers"}
+    assert set(verdict) >= {"perturbation_changes_output", "plain_torch_layers", "greedy_matches_transformers",
+                            "update_outside_session_refused", "update_in_session_succeeds",
+                            "greedy_after_update_matches_transformers"}
 
 
-def test_backend_on_real_engine_under_torchrun(sglang_venv_python):
+def test_backend_on_real_engine_under_torchrun(engine_checks):
     """Our ``SGLangEngine`` on the real engine, in a torchrun worker of a c10d rendezvous:
     - the engine starts there (review C2: it hung waiting for a TCPStore nobody served);
     - ``update_weights``: generation afterwards equals transformers loaded with the pushed weights
@@ -70,9 +83,10 @@ def test_backend_on_real_engine_under_torchrun(sglang_venv_python):
     - ``abort_all()`` then at once ``release_memory``/``resume_memory``: the release waits until sglang
       holds none of the aborted requests (L1: sglang's scheduler asserted an idle engine and
       SIGQUIT the process), and greedy output afterwards still equals transformers."""
-    verdict = run_checks(sglang_venv_python, "backend", torchrun=True)
+    verdict = checked(engine_checks, "backend")
     assert_all_true(verdict)
-    assert set(verdict) >= {"under_torchrun_agent_store", "engine_starts_under_torchrun", "worker_env_restored",
+    assert set(verdict) >= {"perturbation_changes_output", "under_torchrun_agent_store",
+                            "engine_starts_under_torchrun", "worker_env_restored",
                             "backend_greedy_matches_transformers", "backend_update_weights_returns",
                             "backend_greedy_after_update_matches_transformers",
                             "backend_raises_when_sglang_refuses", "stats_kv_capacity_is_the_engines",
@@ -80,29 +94,30 @@ def test_backend_on_real_engine_under_torchrun(sglang_venv_python):
                             "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers"}
 
 
-def test_engine_hosts_on_real_engines(sglang_venv_python):
+def test_engine_hosts_on_real_engines(engine_checks):
     """One engine host process per engine, under torchrun with 2 ranks: rank 0 leads a TP-1 and a TP-2
     engine. Both take a weight push and then generate what transformers does with those weights (L2);
     the TP-2 engine's shutdown ends its processes and spares the rank's other children (L9); SIGTERM
     to the rank and its engine host reaches our handler and the engine keeps serving (L8); a killed
     sglang scheduler makes poll(None) raise EngineDiedError instead of waiting forever."""
-    cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HOST_CHECKS), str(POLICY), str(free_base_port(1, 2, local_ranks=2))]
-    proc = run_in_venv(cmd, "host_checks.py", TIMEOUT_S + 120)
-    verdicts = [line for line in proc.stdout.splitlines() if line.startswith("VERDICT ")]
-    assert verdicts, f"host_checks.py printed no verdict (exit {proc.returncode}):\n{proc.stdout[-6000:]}"
-    verdict = json.loads(verdicts[-1].removeprefix("VERDICT "))
-    assert "crashed" not in verdict, f"{verdict['crashed']}\n--- output ---\n{proc.stdout[-4000:]}"
+    verdict = checked(engine_checks, "hosts")
     assert_all_true({k: v for k, v in verdict.items() if k != "seconds_to_notice_death"})
     assert set(verdict) >= {"one_engine_per_process", "tp1_greedy_after_push_matches_transformers",
                             "tp2_greedy_after_push_matches_transformers", "shutdown_ends_the_engines_processes",
                             "shutdown_spares_the_ranks_other_children", "sigterm_reaches_our_handler",
                             "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging"}
+    proc, _ = engine_checks
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
 GEN_PROMPTS = ({"prompt": "The capital of France is"}, {"prompt": "1 + 1 ="}, {"input_ids": [20, 21, 22, 40]})
 GEN_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def generate_reference() -> list[list[int]]:
+    """Transformers' greedy output for ``GEN_PROMPTS``, shared by both TP sizes."""
+    return transformers_greedy(GEN_PROMPTS, GEN_TOKENS)
 
 
 def transformers_greedy(rows, new_tokens: int) -> list[list[int]]:
@@ -148,7 +163,8 @@ def free_base_port(*tps: int, local_ranks: int = 1) -> int:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_python, tmp_path, tp):
+def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_python, generate_reference, tmp_path,
+                                                                tp):
     """``python -m rollpacker.generate --backend sglang`` on CPU (the backend's own CPU server args):
     greedy output equals transformers token for token, and the process exits by itself. TP 2 runs
     under torchrun as one TP-2 sglang engine led by rank 0; the backend splits the CPUs between its
@@ -164,7 +180,7 @@ def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_pyth
     assert f"(sglang, tp={tp}" in proc.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["index"], r["sample"]) for r in rows] == [(i, 0) for i in range(len(GEN_PROMPTS))]
-    assert [r["output_ids"] for r in rows] == transformers_greedy(GEN_PROMPTS, GEN_TOKENS)
+    assert [r["output_ids"] for r in rows] == generate_reference
     assert all(len(r["logprobs"]) == GEN_TOKENS and all(lp <= 0 for lp in r["logprobs"]) for r in rows)
 
 

@@ -161,23 +161,47 @@ def test_engine_logprobs_drive_the_ratio_and_the_mismatch_metric(layout, model_d
         no_logprobs.train_step(groups)
 
 
-def test_offload_keeps_weights_and_hf_export_round_trips(layout, model_dir, tmp_path):
-    """An offload/onload between two steps changes nothing: the weights right after it, and the weights
-    after the next step (which needs Adam's moments and step counts intact), equal those of a trainer
-    that never offloaded. (On CPU the moves are no-ops; the GPU acceptance run checks the bytes move.)"""
+def optimizer_tensors(trainer: Trainer) -> list[torch.Tensor]:
+    return [t for state in trainer.backend.optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
+
+
+def test_offload_releases_the_state_and_onload_restores_it_exactly(layout, model_dir, tmp_path):
+    """Offload frees the storage of every param, grad and Adam tensor and reports those bytes; onload
+    brings params and optimizer state back bit-identical and grads as zeros, so the next step equals
+    that of a trainer that never offloaded; the HF export of the result round-trips."""
     trainer, control = make(layout, model_dir), make(layout, model_dir)
     for t in (trainer, control):
         t.train_step(random_groups(6, num_groups=2))
-    before = params(trainer)
-    assert trainer.offload() >= 0 and trainer.onload() >= 0
-    assert same(params(trainer), before)
+    weights, moments = params(trainer), [t.clone() for t in optimizer_tensors(trainer)]
+    grads = [p.grad for p in trainer.model.parameters()]
+    assert all(g is not None for g in grads) and any(bool(g.any()) for g in grads)
+    resident = list(trainer.model.parameters()) + grads + optimizer_tensors(trainer)
+    size = sum(t.untyped_storage().nbytes() for t in resident)
+
+    offloaded = trainer.offload()
+    assert offloaded.bytes == size and offloaded.seconds >= 0
+    assert [t.untyped_storage().nbytes() for t in resident] == [0] * len(resident)
+    with pytest.raises(RuntimeError, match="twice"):
+        trainer.offload()
+
+    onloaded = trainer.onload()
+    assert onloaded.bytes == size
+    assert same(params(trainer), weights) and same(optimizer_tensors(trainer), moments)
+    assert all(p.grad is g and not g.any() for p, g in zip(trainer.model.parameters(), grads))
+    with pytest.raises(RuntimeError, match="without an offload"):
+        trainer.onload()
+
     for t in (trainer, control):
         t.train_step(random_groups(7, num_groups=2))
-    assert same(params(trainer), params(control)) and not same(params(trainer), before)
-    before = params(trainer)
+    assert same(params(trainer), params(control)) and not same(params(trainer), weights)
+    assert same(optimizer_tensors(trainer), optimizer_tensors(control))
+    trainer.offload()  # again after a step: what comes back is the new state, not the first copy's
+    trainer.onload()
+    assert same(params(trainer), params(control))
     trainer.save_hf(tmp_path / "hf")
     reloaded = Trainer(trainer.cfg, tmp_path / "hf", layout)
-    assert same(params(reloaded), before)
+    assert same(params(reloaded), params(control))
     names = [n for n, _ in trainer.iter_hf_tensors()]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
 

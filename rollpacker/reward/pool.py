@@ -7,6 +7,11 @@ period).  A worker that dies or misses its deadline is killed with its whole
 process group and replaced; its sample is retried once on a fresh worker, and
 scored as a failure (``crash`` or ``timeout``) if that attempt fails too.
 Nothing here runs scoring code in the caller's process.
+
+A killed worker leaves its sandboxed program's leftovers to the pool: the
+program (in a session of its own), whatever of its process group came back to
+this process to be reaped, and its working directory, which lies in a scratch
+directory the pool made for that worker and removes with it.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -33,7 +40,7 @@ from rollpacker.reward.sandbox import SandboxLimits
 from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
 from rollpacker.reward.scorers.code import parse_tests
-from rollpacker.reward.worker import READY, Job, Outcome, WorkerSettings, worker_main
+from rollpacker.reward.worker import PROGRAM, READY, Job, Outcome, WorkerSettings, worker_main
 
 if TYPE_CHECKING:
     from rollpacker.reward.scorers.judge import LLMJudge
@@ -68,6 +75,8 @@ class _Slot:
     index: int
     process: BaseProcess
     conn: Connection  # the pool's end of the worker's pipe
+    scratch: str  # where the worker's programs get their working directories; removed with the worker
+    program: int | None = None  # pid (and process group) of the program the current job runs
     ready: bool = False
     request: _Request | None = None
     job_id: int = 0
@@ -185,23 +194,46 @@ class RewardPool:
     # ---- workers ------------------------------------------------------------------------
     def _start_worker(self, index: int) -> _Slot:
         cfg = self._cfg
+        scratch = tempfile.mkdtemp(prefix=f"rollpacker-reward-{index}-")
+        os.chmod(scratch, 0o711)  # the sandbox uid must reach its working directory in here, not list it
         limits = SandboxLimits(memory_mb=cfg.code_memory_mb, file_size_mb=cfg.code_file_size_mb,
                                max_processes=cfg.code_max_processes, output_limit_bytes=cfg.code_output_limit_bytes,
-                               uid=None if cfg.sandbox_uid is None else cfg.sandbox_uid + index)
+                               uid=None if cfg.sandbox_uid is None else cfg.sandbox_uid + index,
+                               scratch_root=scratch)
         ours, theirs = self._ctx.Pipe()
         process = self._ctx.Process(target=worker_main, args=(theirs, WorkerSettings(cfg.math_timeout, limits)),
                                     name=f"reward-worker-{index}", daemon=True)
         process.start()
         theirs.close()
-        return _Slot(index, process, ours)
+        return _Slot(index, process, ours, scratch)
 
     def _stop_worker(self, slot: _Slot) -> None:
-        try:
-            os.killpg(slot.process.pid, signal.SIGKILL)  # the worker leads its own session
-        except (ProcessLookupError, PermissionError):
-            pass
+        """Kill and reap the worker, end the program it was running, remove its scratch directory."""
+        if slot.process.exitcode is None:  # once reaped, its pid may name another process group
+            try:
+                os.killpg(slot.process.pid, signal.SIGKILL)  # the worker leads its own session
+            except (ProcessLookupError, PermissionError):
+                pass
         slot.process.join(5)
+        try:  # the program's pid may still wait in the pipe, sent just before the worker died
+            while slot.conn.poll():
+                self._note_program(slot, slot.conn.recv())
+        except (EOFError, OSError):
+            pass
         slot.conn.close()
+        if slot.program is not None:
+            _end_program(slot.program)
+        shutil.rmtree(slot.scratch, ignore_errors=True)
+
+    @staticmethod
+    def _note_program(slot: _Slot, message: Any) -> bool:
+        """Track the program the worker runs: set by a PROGRAM message (then True), cleared by a job's
+        outcome (the worker has reaped that job's programs by then)."""
+        if message == READY:
+            return False
+        tag, value = message
+        slot.program = value if tag == PROGRAM else None
+        return tag == PROGRAM
 
     def _fail(self, slot: _Slot, reason: str, detail: str) -> None:
         """The worker in ``slot`` died or hung: replace it, retry or fail its sample."""
@@ -299,6 +331,8 @@ class RewardPool:
         except (EOFError, OSError):
             self._fail(slot, CRASH, "worker pipe closed")
             return
+        if self._note_program(slot, message):
+            return
         if message == READY:
             slot.ready = True
             if all(s.ready for s in self._slots):
@@ -324,6 +358,32 @@ class RewardPool:
         for request in pending:
             if not request.future.done():
                 request.future.set_result(Score.failed(ERROR, detail, request.seconds))
+
+
+def _end_program(pgid: int, patience: float = 5.0) -> None:
+    """Kill the process group of a program whose worker died mid-run, and reap its members that came
+    back to this process.
+
+    The program leads its own session, so the worker's group kill misses it; its parent-death signal
+    ends the program, not what it started. Orphans go to the nearest child subreaper or PID 1, which is
+    this process when the trainer is a container's init: unreaped there, they stay zombies. A group id
+    is not reused while a member lives, so the kill reaches no one else.
+    """
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            reaped, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:  # no member of the group is (any longer) a child of this process
+            return
+        if reaped == 0:
+            if time.monotonic() > deadline:
+                log.warning("sandboxed program group %d outlived SIGKILL by %.0fs; not reaped", pgid, patience)
+                return
+            time.sleep(0.005)
 
 
 def _content_key(tests: Any) -> str:

@@ -48,6 +48,13 @@ other uids cannot be seen.  After each run, every process the program left
 (e.g. a child that left the session) is killed and reaped: the calling
 process is a child subreaper while it runs a program, so none outlives its
 sample or, as an unreaped zombie, eats the next one's process limit.
+
+A worker killed mid-run (timeout, crash) cleans up nothing, so what it would
+have cleaned belongs to its owner: every working directory is made inside
+``SandboxLimits.scratch_root``, a directory the pool creates for the worker
+and removes when it replaces it, and ``on_start`` reports each program's pid
+so that the pool can kill the program's process group and reap what comes
+back to it.
 """
 from __future__ import annotations
 
@@ -106,6 +113,7 @@ class SandboxLimits:
     output_limit_bytes: int = 1 << 20
     uid: int | None = None  # as root: run programs as this uid (required); unprivileged: ignored
     refusal: str | None = None  # set by resolve_isolation when programs cannot be run unprivileged
+    scratch_root: str | None = None  # parent of each run's working directory (None: the system temp dir)
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,10 @@ def resolve_isolation(limits: SandboxLimits) -> SandboxLimits:
     return replace(limits, refusal=refusal)
 
 
-def run_python(source: str, stdin: str, timeout: float, limits: SandboxLimits) -> RunResult:
+def run_python(source: str, stdin: str, timeout: float, limits: SandboxLimits,
+               on_start: Callable[[int], None] | None = None) -> RunResult:
+    """Run ``source`` on ``stdin``; ``on_start`` gets the program's pid (also its process group and
+    session id) as soon as it exists."""
     if limits.refusal:
         raise SandboxUnavailable(limits.refusal)
     as_root = os.geteuid() == 0
@@ -150,19 +161,20 @@ def run_python(source: str, stdin: str, timeout: float, limits: SandboxLimits) -
         raise SandboxUnavailable(ROOT_WITHOUT_UID)
     uid = limits.uid if as_root else None
     if uid is None:
-        return _run(source, stdin, timeout, limits, None)
+        return _run(source, stdin, timeout, limits, None, on_start)
     was_subreaper = ctypes.c_int(0)
     _LIBC.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was_subreaper))
     _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1)  # leftovers come back to us to be reaped: see _kill_leftovers
     try:
-        return _run(source, stdin, timeout, limits, uid)
+        return _run(source, stdin, timeout, limits, uid, on_start)
     finally:
         if not was_subreaper.value:  # the caller's own orphans go to init again
             _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
-def _run(source: str, stdin: str, timeout: float, limits: SandboxLimits, uid: int | None) -> RunResult:
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="rollpacker-sandbox-"))
+def _run(source: str, stdin: str, timeout: float, limits: SandboxLimits, uid: int | None,
+         on_start: Callable[[int], None] | None) -> RunResult:
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="rollpacker-sandbox-", dir=limits.scratch_root))
     try:
         Path(workdir, "solution.py").write_text(source, encoding="utf-8")
         stdin_path = Path(workdir, "stdin.txt")
@@ -181,6 +193,8 @@ def _run(source: str, stdin: str, timeout: float, limits: SandboxLimits, uid: in
                 stderr=subprocess.PIPE, cwd=workdir, env=_environment(workdir), start_new_session=True,
                 preexec_fn=lambda: _confine(limits, uid, timeout, workdir, covers), close_fds=True)
             try:
+                if on_start is not None:
+                    on_start(proc.pid)
                 stdout, stderr, cut = _collect(proc, start + timeout, limits.output_limit_bytes)
             finally:
                 _kill_group(proc.pid)  # leftovers of a program that exited on its own

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from rollpacker.reward.sandbox import SandboxLimits, resolve_isolation
 from rollpacker.reward.score import ERROR, Score
 from rollpacker.reward.scorers import CODE, MATH, STEPCHAIN
 
 READY = "ready"
+PROGRAM = "program"  # (PROGRAM, pid): a job started this sandboxed program
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,18 @@ def worker_main(conn: Connection, settings: WorkerSettings) -> None:
         try:
             message = conn.recv()
         except EOFError:  # the pool is gone
-            return
+            break
         if message is None:
-            return
+            break
         job_id, job = message
-        conn.send((job_id, run_job(job, settings)))
+        conn.send((job_id, run_job(job, settings, on_start=lambda pid: conn.send((PROGRAM, pid)))))
+    # The pool removes the scratch directory of a worker it stops, but a pool killed with its process
+    # (a trainer's SIGKILL) cannot: the worker, which sees the pipe close, removes it then.
+    if settings.limits.scratch_root is not None:
+        shutil.rmtree(settings.limits.scratch_root, ignore_errors=True)
 
 
-def run_job(job: Job, settings: WorkerSettings) -> Outcome:
+def run_job(job: Job, settings: WorkerSettings, on_start: Callable[[int], None] | None = None) -> Outcome:
     """Score one job; a scorer's own failure is an ERROR score, never a dead worker."""
     try:
         if job.scorer == MATH:
@@ -71,7 +77,7 @@ def run_job(job: Job, settings: WorkerSettings) -> Outcome:
             return Outcome(score_stepchain(job.response, job.label), {})
         if job.scorer == CODE:
             from rollpacker.reward.scorers.code import score_code
-            score, passed = score_code(job.response, job.label, job.timeouts, settings.limits)
+            score, passed = score_code(job.response, job.label, job.timeouts, settings.limits, on_start)
             return Outcome(score, passed)
         raise ValueError(f"worker has no scorer {job.scorer!r}")
     except Exception:  # noqa: BLE001 - any scorer bug must come back as a score

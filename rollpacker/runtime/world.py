@@ -15,11 +15,16 @@ are small host objects and go over ``World.control``, a gloo group over every
 rank: NCCL refuses CPU tensors ("No backend type associated with device type
 cpu"), and an idle NCCL wait would spin a kernel on the GPU and trip the NCCL
 watchdog during a long round.
+
+Every group is set up through one store, which must be this attempt's alone
+when torchrun restarts the workers (``--max-restarts``): see
+:func:`attempt_store`.
 """
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +66,9 @@ class World:
     def init(cls, threads_per_rank: int = 1) -> "World":
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=CONTROL_TIMEOUT)
+            store, rank, size = next(dist.rendezvous("env://", timeout=CONTROL_TIMEOUT))
+            dist.init_process_group(backend, store=attempt_store(store, os.environ), rank=rank, world_size=size,
+                                    timeout=CONTROL_TIMEOUT)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
@@ -97,3 +104,25 @@ class World:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def attempt_store(store: dist.Store, env: Mapping[str, str]) -> dist.Store:
+    """``store`` (from the ``env://`` rendezvous), with keys of this restart attempt only.
+
+    torchrun's agent hosts one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE=True``) and
+    hands it to the workers of every attempt unchanged, so a restarted worker finds the dead attempt's
+    gloo addresses and NCCL unique ids under the keys it uses: reading a peer's before the peer's
+    replacement rewrites it, gloo's ``connectFullMesh`` dials a dead process ("Connection refused")
+    and the restart fails (pytorch/pytorch#135712). On one node, ``TORCHELASTIC_RESTART_COUNT`` names
+    the attempt and prefixes the keys. Nodes count restarts each on their own (an agent that restarts
+    healthy workers for another node's failure does not count it), so a multi-node job needs a store
+    per attempt, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0 hosts a new one per rendezvous
+    round; ``launch/train.sh`` sets it), and one that could restart on the shared store is refused.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return store  # no torchrun, or a store of this attempt's own
+    if int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise RuntimeError("torchrun --max-restarts on several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                           "in the launcher's environment (launch/train.sh sets it): on the agent's shared store "
+                           "the nodes' restart counts can disagree and a restart would hang (pytorch/pytorch#135712)")
+    return dist.PrefixStore(f"rollpacker/attempt_{env['TORCHELASTIC_RESTART_COUNT']}/", store)

@@ -13,6 +13,10 @@ Only two things differ between backends: how micro-batches are scheduled
 optimizer holds the state (Megatron's distributed optimizer on GPU, torch
 AdamW on CPU). The loss (:func:`micro_batch_loss`), the micro-batch layout,
 the normalisation and the stream accounting live outside the backends.
+
+Between phases the trainer gives its device memory to the rollout engine
+(:meth:`Backend.offload`, :meth:`Backend.onload`), the same way on every
+device: see :class:`StorageOffload`.
 """
 from __future__ import annotations
 
@@ -35,6 +39,79 @@ from rollpacker.trainer.packing import Layout, MicroBatch
 
 # (micro-batch, logits of its last stage) -> (scalar to differentiate, detached result)
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What an offload released from the device, or an onload put back."""
+    bytes: int
+    seconds: float
+
+
+class StorageOffload:
+    """Releases the storage under a set of tensors and later restores it in place.
+
+    Storages, not tensors, are moved: every view of a buffer goes and comes back with it (on GPU the
+    params and main grads are views of DDP's flat buffers, and the distributed optimizer's fp32 shards
+    of fp32 params views of the param buffer), and every tensor object stays the one its owners hold.
+    A released storage has size 0, so its memory is free; touching its tensors before the restore is
+    a bug (on CPU it reads a null pointer). Kept storages are copied to host first and come back
+    bit-identical; dropped ones come back zero-filled. On CPU the host is the device: only the
+    dropped bytes are gained, and the same path runs so that CPU runs exercise the GPU one.
+    """
+
+    def __init__(self, device: torch.device):
+        # Pinned copies are kept for the next offload (pinning costs more than the copy); plain ones
+        # are not, as they would double a CPU trainer's memory while it trains.
+        self._pin = device.type == "cuda"
+        self._host: list[torch.Tensor] = []
+        self._released: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] | None = None
+
+    def release(self, keep: list[torch.Tensor], drop: list[torch.Tensor]) -> int:
+        """Release the storages of ``keep`` (after a host copy) and of ``drop``; returns the bytes freed."""
+        if self._released is not None:
+            raise RuntimeError("offload() twice without an onload() between")
+        kept = _distinct_storages(keep)
+        dropped = {ptr: s for ptr, s in _distinct_storages(drop).items() if ptr not in kept}
+        fixed = [s for s in (*kept.values(), *dropped.values()) if not s.resizable()]
+        if fixed:  # refused before anything is touched, so the trainer stays whole
+            raise RuntimeError(f"offload: {len(fixed)} storage(s) of the trainer's state cannot be resized (e.g. "
+                               "tensors still owned by torch.load's buffer); copy them when they are loaded")
+        released, hosts = [], []
+        for i, storage in enumerate(kept.values()):
+            n = storage.nbytes()
+            reuse = i < len(self._host) and self._host[i].numel() == n
+            host = self._host[i] if reuse else torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
+            host.untyped_storage().copy_(storage, non_blocking=True)
+            released.append((storage, n, host))
+            hosts.append(host)
+        self._host = hosts
+        released += [(storage, storage.nbytes(), None) for storage in dropped.values()]
+        for storage, _, _ in released:
+            storage.resize_(0)
+        self._released = released
+        return sum(n for _, n, _ in released)
+
+    def restore(self) -> int:
+        """Give every released storage its size back and its bytes (zeros if dropped); returns the bytes."""
+        if self._released is None:
+            raise RuntimeError("onload() without an offload() before it")
+        for storage, n, host in self._released:
+            storage.resize_(n)
+            if host is None:
+                storage.fill_(0)
+            else:
+                storage.copy_(host.untyped_storage(), non_blocking=True)
+        restored, self._released = sum(n for _, n, _ in self._released), None
+        if not self._pin:
+            self._host = []
+        return restored
+
+
+def _distinct_storages(tensors: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+    """Each non-empty storage under ``tensors`` once, by address (views of one buffer share it)."""
+    storages = (t.untyped_storage() for t in tensors)
+    return {s.data_ptr(): s for s in storages if s.nbytes() > 0}
 
 
 @dataclass(frozen=True)
@@ -81,6 +158,10 @@ class Backend(abc.ABC):
     micro_batch_layout: Layout
     pad_multiple: int
 
+    def __init__(self, model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig):
+        self.model, self.layout, self.cfg = model, layout, cfg
+        self._offload = StorageOffload(layout.device)
+
     @property
     def vocab_size(self) -> int:
         """The real (HF) vocabulary; the model's output layer is padded beyond it."""
@@ -111,19 +192,29 @@ class Backend(abc.ABC):
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None: ...
 
     @abc.abstractmethod
-    def _move_state(self, to_host: bool) -> None:
-        """Move params, grads and optimizer state to host (``to_host``) or back."""
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(kept, dropped): every tensor of the params, grads and optimizer state. Kept ones (params,
+        optimizer state) survive an offload bit-identically; dropped ones (grads: dead once the step
+        is taken, and every step starts by zeroing them) come back as zeros, as Megatron's
+        ``_ParamAndGradBuffer.reload_from_cpu`` gives them back."""
 
-    def offload(self) -> float:
-        """Release device memory between phases; returns the seconds it took."""
-        return self._timed(lambda: self._move_state(True))
-
-    def onload(self) -> float:
-        return self._timed(lambda: self._move_state(False))
-
-    def _timed(self, fn: Callable[[], None]) -> float:
+    def offload(self) -> Moved:
+        """Release this rank's params, grads and optimizer state from the device (kept ones wait on
+        host) so that the rollout engine can use the memory."""
         t0 = time.perf_counter()
-        fn()
+        # Only what sits on the accelerator: e.g. torch Adam's step counters live on the host anyway.
+        keep, drop = ([t for t in tensors if t.device.type == self.layout.device.type]
+                      for tensors in self._device_state())
+        freed = self._offload.release(keep, drop)
+        if self.layout.device.type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator would keep the blocks from the engine
+        return Moved(freed, self._since(t0))
+
+    def onload(self) -> Moved:
+        t0 = time.perf_counter()
+        return Moved(self._offload.restore(), self._since(t0))
+
+    def _since(self, t0: float) -> float:
         if self.layout.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0

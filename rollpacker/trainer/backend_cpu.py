@@ -40,7 +40,7 @@ class CpuBackend(Backend):
         if cfg.params_dtype != "fp32":
             raise ValueError(f"trainer.params_dtype={cfg.params_dtype!r}: the CPU backend keeps no fp32 master "
                              "weights, so it trains in fp32 only; set trainer.params_dtype=fp32")
-        self.model, self.layout, self.cfg = model, layout, cfg
+        super().__init__(model, layout, cfg)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         groups = [
@@ -103,6 +103,13 @@ class CpuBackend(Backend):
 
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
+        # AdamW keeps the loaded tensors as they are, and torch.load's storages belong to the
+        # checkpoint's buffer: they cannot be resized, which offload needs. Own copies can.
+        for s in self.optimizer.state.values():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    s[k] = v.clone()
 
-    def _move_state(self, to_host: bool) -> None:
-        """Everything already lives on the host; kept so phases are timed the same way."""
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return list(self.model.parameters()) + state, [p.grad for p in self._params if p.grad is not None]

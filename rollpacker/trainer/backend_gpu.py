@@ -106,7 +106,7 @@ class GpuBackend(Backend):
     micro_batch_layout = "thd"
 
     def __init__(self, model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig):
-        self.model, self.layout, self.cfg = model, layout, cfg
+        super().__init__(model, layout, cfg)
         # Context parallelism splits every sequence into 2*cp chunks.
         self.pad_multiple = 2 * layout.cp if layout.cp > 1 else 1
         bf16 = cfg.params_dtype == "bf16"
@@ -203,21 +203,19 @@ class GpuBackend(Backend):
             _unshare_adam_steps(o)
             o.load_parameter_state_from_dp_reshardable(s["param_state"])
 
-    def _move_state(self, to_host: bool) -> None:
-        # Order matters. The distributed optimizer's shards of fp32 model params (the local spec's
-        # norms stay fp32 in a bf16 model) are views into DDP's param buffer, and the buffer's
-        # offload frees its storage: the optimizer must copy its views out first (the reverse order
-        # fails with "CUDA error: invalid argument", seen on H100). Restored, those shards are
-        # separate tensors, which is safe: the optimizer copies every main shard back into the
-        # param buffer after each step (``_copy_main_params_to_model_params``).
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # DDP's flat buffers hold every param and main grad (as views). The distributed optimizer
+        # holds its fp32 main shards (of bf16 params: copies; of fp32 params, such as the local spec's
+        # norms in a bf16 model: views of the param buffer, moved with it), their grads (views of the
+        # grad buffer, or fp32 copies of bf16 grads) and the Adam moments.
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
-        if to_host:
-            torch.cuda.synchronize()
-            self.optimizer.offload_to_cpu()
-            for buf in buffers:
-                buf.offload_to_cpu(move_params=True, move_grads=True)
-            torch.cuda.empty_cache()
-        else:
-            for buf in buffers:
-                buf.reload_from_cpu(move_params=True, move_grads=True)
-            self.optimizer.restore_from_cpu()
+        # The params themselves too: views of the param buffer (the same storage), or where DDP keeps no
+        # param buffer (param_data None), storages of their own.
+        keep = [b.param_data for b in buffers if b.param_data is not None] + list(self.model.parameters())
+        drop = [b.grad_data for b in buffers]
+        for o in self.optimizer.chained_optimizers:
+            for group in o.optimizer.param_groups:
+                keep += group["params"]
+                drop += [p.grad for p in group["params"] if p.grad is not None]
+            keep += [t for s in o.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return keep, drop

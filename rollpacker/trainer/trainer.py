@@ -20,7 +20,7 @@ from megatron_ext.parallel import ParallelLayout
 from megatron_ext.model import build_model
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.sample import Sample
-from rollpacker.trainer.backend import Backend
+from rollpacker.trainer.backend import Backend, Moved
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.stream import StreamTrainer
 
@@ -70,11 +70,13 @@ class Trainer:
 
     # -- phases and weights ---------------------------------------------------------------------------
 
-    def offload(self) -> float:
-        """Move params, grads and optimizer state to host before rollout; returns seconds."""
+    def offload(self) -> Moved:
+        """Release params, grads and optimizer state from the device before rollout (see
+        ``Backend.offload``); nothing may touch the model until ``onload``."""
         return self.backend.offload()
 
-    def onload(self) -> float:
+    def onload(self) -> Moved:
+        """Params and optimizer state back bit-identical, grads as zeros."""
         return self.backend.onload()
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,17 +1,28 @@
-"""Engine-host checks of our ``SGLangEngine`` against the real ``sglang.Engine`` (0.5.23) on CPU.
+"""Every check against the real ``sglang.Engine`` (0.5.23) on CPU, in one torchrun launch.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 host_checks.py MODEL_DIR BASE_PORT
 
-As ``EngineSets`` builds them, rank 0 leads a TP-1 engine and the TP-2 engine of ranks {0, 1};
-rank 1 leads its own TP-1 engine. Rank 0 then checks:
-- L2: each engine runs in a host process of its own (sglang keeps one live config per process),
-  and after a weight push to each, both generate what transformers does with the pushed weights;
-- L9: shutting the TP-2 engine down ends its host and sglang's processes under it, and leaves the
-  rank's other children (a stand-in for the reward workers) and the TP-1 engine running;
-- L8: a SIGTERM to the rank and to its engine host reaches our handler, and the engine keeps serving
-  (sglang's own SIGTERM watchdog would exit the process);
-- a dead sglang scheduler makes ``poll(None)`` raise ``EngineDiedError`` instead of waiting forever.
-The last stdout line of rank 0 is ``VERDICT {json}`` (each check true, or what went wrong).
+One launch serves three tests (each engine start costs about three sglang imports, tens of seconds
+of CPU). Rank 0 computes the transformers reference once (``engine_checks.Reference``) and
+shares it. As ``EngineSets`` builds them, rank 0 leads a TP-1 engine and the TP-2 engine of ranks
+{0, 1}; rank 1 leads its own TP-1 engine. The verdict has one section per test:
+
+- ``engine`` (rank 1, before its own engine, since ``sglang.Engine.shutdown`` kills every child of
+  its process): ``sglang.Engine`` driven directly, ``engine_checks.check_engine``;
+- ``backend`` (rank 0's TP-1 engine, first in its life): it starts in a c10d torchrun worker (C2),
+  then ``engine_checks.check_backend`` and ``lifecycle_checks``;
+- ``hosts`` (rank 0, after ``backend``):
+  - L2: each engine runs in a host process of its own (sglang keeps one live config per process),
+    and after a weight push to each, both generate what transformers does with the pushed weights
+    (the TP-1 engine, which serves the perturbed weights by now, gets the shipped ones back);
+  - L9: shutting the TP-2 engine down ends its host and sglang's processes under it, and leaves
+    the rank's other children (a stand-in for the reward workers) and the TP-1 engine running;
+  - L8: a SIGTERM to the rank and to its engine host reaches our handler, and the engine keeps
+    serving (sglang's own SIGTERM watchdog would exit the process);
+  - a dead sglang scheduler makes ``poll(None)`` raise ``EngineDiedError`` instead of waiting forever.
+
+A section whose checks raise gets ``crashed`` (the traceback) and the next one still runs. The
+last stdout line of rank 0 is ``VERDICT {json}``: ``reference``, ``engine``, ``backend``, ``hosts``.
 """
 from __future__ import annotations
 
@@ -25,11 +36,13 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
-import torch
 import torch.distributed as dist
 
-from engine_checks import backend_generate, compare, hf_greedy, perturbed, prompt_ids
+from engine_checks import (CPU_ENGINE_ARGS, Reference, backend_generate, check_backend, check_engine, compare,
+                           reference)
+from lifecycle_checks import start_under_torchrun
 
 DEATH_TIMEOUT_S = 60  # the host's watch notices a dead sglang process within about a second
 
@@ -56,24 +69,20 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def rank0_checks(model_dir: Path, tp1, tp2) -> dict:
-    from transformers import Qwen2ForCausalLM
-
+def host_checks(ref: Reference, tp1, tp2) -> dict:
     from rollpacker.rollout.engine import GenerationRequest, SamplingParams
     from rollpacker.rollout.sglang_backend import EngineDiedError
 
     verdict: dict = {}
-    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = prompt_ids(model_dir)
+    prompts = ref.prompts
     pids = {"rank": os.getpid(), "tp1_host": tp1.host_pid, "tp2_host": tp2.host_pid}
     verdict["one_engine_per_process"] = (
         True if len(set(pids.values())) == 3 else f"engines share a process: {pids}")
 
-    new_weights = perturbed(hf)
-    hf.load_state_dict(dict(new_weights), strict=False)
-    want = hf_greedy(hf, prompts)
-    for name, eng in (("tp1", tp1), ("tp2", tp2)):
-        eng.update_weights(iter(new_weights))
+    # Each push changes what its engine generates: TP-1 serves the new weights since check_backend.
+    for name, eng, weights, want in (("tp1", tp1, ref.old_weights, ref.want_before),
+                                     ("tp2", tp2, ref.new_weights, ref.want_after)):
+        eng.update_weights(iter(weights))
         verdict[f"{name}_greedy_after_push_matches_transformers"] = compare(
             f"{name} after push", backend_generate(eng, f"{name}-a", prompts), want)
 
@@ -98,7 +107,7 @@ def rank0_checks(model_dir: Path, tp1, tp2) -> dict:
     signal.signal(signal.SIGTERM, previous)
     verdict["sigterm_reaches_our_handler"] = True if got else "our SIGTERM handler never ran"
     verdict["engine_serves_after_sigterm"] = compare(
-        "tp1 after SIGTERM", backend_generate(tp1, "tp1-b", prompts), want)
+        "tp1 after SIGTERM", backend_generate(tp1, "tp1-b", prompts), ref.want_before)
 
     # A dead scheduler: poll(None) must raise, not wait forever.
     tp1.submit([GenerationRequest(f"long-{i}", ids, SamplingParams(temperature=0.0, max_new_tokens=900))
@@ -128,25 +137,53 @@ def rank0_checks(model_dir: Path, tp1, tp2) -> dict:
     return verdict
 
 
+def section(verdict: dict, name: str, checks: Callable[[dict], None]) -> None:
+    """Run ``checks`` into ``verdict[name]``; a raise is reported there and the run goes on."""
+    part = verdict.setdefault(name, {})
+    try:
+        checks(part)
+    except Exception:  # noqa: BLE001 - the pytest side reports it
+        part["crashed"] = traceback.format_exc()
+
+
 def main(model_dir: Path, base_port: int) -> dict | None:
     from rollpacker.rollout.config import RolloutConfig
     from rollpacker.rollout.sglang_backend import SGLangEngine
 
     dist.init_process_group("gloo", timeout=timedelta(minutes=20))
     rank = dist.get_rank()
+    shared = [reference(model_dir) if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    ref: Reference = shared[0]
     pair = dist.new_group([0, 1])
-    cfg = RolloutConfig(backend="sglang", sglang_base_port=base_port, kv_cache_tokens=32768)
-    tp1 = SGLangEngine(model_dir, cfg, engine_id=rank, device="cpu")
-    tp2 = SGLangEngine(model_dir, cfg, group=pair, engine_id=0, device="cpu")
-    verdict = None
+    verdict: dict = {"reference": ref.verdict()}
+    if rank == 1:
+        section(verdict, "engine", lambda part: part.update(check_engine(model_dir, ref)))
+    cfg = RolloutConfig(backend="sglang", sglang_base_port=base_port,
+                        kv_cache_tokens=CPU_ENGINE_ARGS["max_total_tokens"])
+
+    def start_tp1():
+        return SGLangEngine(model_dir, cfg, engine_id=rank, device="cpu")
+
+    engines = []
     try:
+        engines.append(start_under_torchrun(start_tp1, verdict.setdefault("backend", {})) if rank == 0
+                       else start_tp1())
+        engines.append(SGLangEngine(model_dir, cfg, group=pair, engine_id=0, device="cpu"))
         if rank == 0:
-            verdict = rank0_checks(model_dir, tp1, tp2)
+            tp1, tp2 = engines
+            section(verdict, "backend", lambda part: check_backend(tp1, ref, part))
+            section(verdict, "hosts", lambda part: part.update(host_checks(ref, tp1, tp2)))
     finally:
         dist.barrier()
-        for eng in (tp2, tp1):
+        for eng in reversed(engines):
             eng.shutdown()
-        dist.destroy_process_group()
+    engine_verdicts = [None, None] if rank == 0 else None
+    dist.gather_object(verdict.get("engine"), engine_verdicts, dst=0)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    verdict["engine"] = engine_verdicts[1]
     return verdict
 
 

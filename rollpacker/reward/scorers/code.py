@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rollpacker.reward.sandbox import RUN_CRASH, RUN_OK, RUN_TIMEOUT, RUN_VIOLATION, SandboxLimits, run_python
 from rollpacker.reward.score import CRASH, NO_ANSWER, SANDBOX_VIOLATION, TIMEOUT, WRONG_ANSWER, Score
@@ -49,15 +49,16 @@ def outputs_match(actual: str, expected: str) -> bool:
 
 
 def score_code(response: str, cases: tuple[TestCase, ...], timeouts: tuple[float, ...],
-               limits: SandboxLimits) -> tuple[Score, dict[int, float]]:
-    """The score, and the runtime in seconds of each case the program passed, by index."""
+               limits: SandboxLimits, on_start: Callable[[int], None] | None = None) -> tuple[Score, dict[int, float]]:
+    """The score, and the runtime in seconds of each case the program passed, by index.
+    ``on_start`` gets the pid of each run's program (see ``run_python``)."""
     start = time.monotonic()
     program = extract_program(response)
     if program is None:
         return Score.failed(NO_ANSWER, "no fenced python block in the response"), {}
     passed: dict[int, float] = {}
     for i, (case, timeout) in enumerate(zip(cases, timeouts, strict=True)):
-        run = run_python(program, case.stdin, timeout, limits)
+        run = run_python(program, case.stdin, timeout, limits, on_start)
         if run.status != RUN_OK:
             detail = f"test {i}: {run.detail}"
             return Score.failed(_REASON[run.status], detail, time.monotonic() - start), passed
