@@ -27,8 +27,8 @@ and must take the same update. Recorded per run: step seconds (round start ->
 optimizer step done, slowest rank), rollout seconds, requests and tokens
 migrated, the share of the requests done at the hand-off, the share of the
 training compute (tokens) done before rollout ended (the trainer's
-``stream_overlap_share``: the streaming rank counts until it is told the rollout
-ended, so the at most two groups it then still has in flight count as before);
+``stream_overlap_share``: training finished before the moment rank 0's rollout
+ended, though the streaming rank learns of that moment later);
 per repeat the relative difference of the two modes' weights.
 
 ``--policy``: the shipped policy (assets/policy) samples the longest-chain

@@ -1,6 +1,7 @@
 """Does tail batching cost accuracy, and is the short rounds' response race the cause?
 
     python -m bench.race_bias [--seeds 3,4,5] [--steps 10] [--out runs/race_bias]
+                              [--results bench/results/race_bias.json]
 
 Three configurations of the real program (``configs/tiny-cpu.yaml``, P0=16,
 R0=4), each at every seed (seed = data order + sampling + Megatron init, the
@@ -16,20 +17,21 @@ same across configurations):
 After each run, its final policy is sampled on the held-out prompts (4 per
 prompt, same sampling seed for every policy). Printed: held-out pass@1 and
 median response length per run, each configuration's mean, and its paired
-difference from the baseline of the same seed (mean and std over seeds). If
+difference from the baseline of the same seed (mean and 95% t-interval over
+seeds), also written to ``--results`` (tracked; the README's table is rendered
+from it by ``python -m bench.report``). If
 ``no_race`` matches the baseline while ``rollpacker`` does not, the response
 race is the cause. Runs are not timed here (``bench/e2e.py`` does that).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
 from bench import e2e
 from bench import e2e_report as rep
+from bench.results import write_results
 
 CONFIGS = {"baseline": rep.MODES[0].overrides, "rollpacker": rep.MODES[-1].overrides,
            "no_race": {**rep.MODES[-1].overrides, "scheduler.eta_r": "1.0"}}
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--r0", type=int, default=4)
     p.add_argument("--eval-n", type=int, default=4)
     p.add_argument("--out", default="runs/race_bias")
+    p.add_argument("--results", default="bench/results/race_bias.json", help="raw results (tracked)")
     p.add_argument("--chunk-timeout", type=float, default=3600.0)
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -58,21 +61,16 @@ def main(argv: list[str] | None = None) -> int:
                 e2e.run_chunk(args, name, mode, seed, args.steps)
             print(f"  {name}: trained; held-out {e2e.held_out_runs(out, [name], args.eval_n)[name]}", flush=True)
     evals = e2e.held_out_runs(out, ["start", *(name for name, _, _ in runs)], args.eval_n)
-    start = evals["start"]
-    result = {"start": start, "runs": {}}
-    print(f"\nheld-out pass@1 ({args.eval_n} samples per prompt), starting policy {start['pass_at_1']:.3f} "
-          f"(median length {start['median_length']:.0f}):")
-    print("| configuration | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | paired Δ vs baseline |")
-    print("|---|" + "---|" * (len(seeds) + 2))
-    for key in CONFIGS:
-        scores = {s: evals[f"{key}-s{s}"] for s in seeds}
-        result["runs"][key] = scores
-        delta = [scores[s]["pass_at_1"] - result["runs"]["baseline"][s]["pass_at_1"] for s in seeds]
-        spread = statistics.stdev(delta) if len(delta) > 1 else 0.0
-        cells = " | ".join(f"{scores[s]['pass_at_1']:.3f} (len {scores[s]['median_length']:.0f})" for s in seeds)
-        print(f"| {key} | {cells} | {statistics.fmean(x['pass_at_1'] for x in scores.values()):.3f} | "
-              f"{statistics.fmean(delta):+.3f} ± {spread:.3f} |")
-    (out / "race_bias.json").write_text(json.dumps(result, indent=1))
+    result: dict = {"settings": {k: v for k, v in vars(args).items()}, "seeds": seeds, "start": evals["start"],
+                    "runs": {key: {s: evals[f"{key}-s{s}"] for s in seeds} for key in CONFIGS}}
+    pass_at_1 = {key: {s: r["pass_at_1"] for s, r in runs_.items()} for key, runs_ in result["runs"].items()}
+    result["paired"] = {key: rep.paired_difference(pass_at_1["baseline"], pass_at_1[key])
+                        for key in CONFIGS if key != "baseline"}
+    path = write_results(args.results, result)
+    print(f"held-out pass@1 ({args.eval_n} samples per prompt), starting policy {evals['start']['pass_at_1']:.3f}")
+    for key, p_ in result["paired"].items():
+        print(f"  {key}: " + rep.paired_text(p_, f"{key}'s held-out pass@1"))
+    print(f"raw results: {path} (README: python -m bench.report)")
     return 0
 
 

@@ -47,6 +47,7 @@ def rollout(r: dict[str, Any]) -> str:
 
     base_s, short_s = statistics.fmean(seconds(base)), statistics.fmean(seconds(tail, "short"))
     tokens = [sum(x["generated_tokens"] for x in rounds) for rounds in (base, tail)]
+    busy, exposed = (sum(x[k] for x in tail) for k in ("reward_busy", "reward_exposed"))
     same = "both modes trained the same prompts" if r["same_prompts"]["tail_batching"] else "**the modes trained different prompts**"
     return "\n".join([
         f"P0={s['p0']}, R0={s['r0']}, η={s['eta']}, {s['cycles']} cycles of 4 short + 1 long round, "
@@ -61,7 +62,9 @@ def rollout(r: dict[str, Any]) -> str:
         f"| {statistics.fmean(x['bubble_fraction'] for x in tail):.2f} | |",
         f"| share of the bubble-free bound reached | {bound_share(base):.0%} | {bound_share(tail):.0%} | |", "",
         f"Bubble-free bound: a mode's generated tokens at the engine's saturated throughput, measured before and "
-        f"after the rounds ({' / '.join(f'{t:.0f}' for t in r['throughput'])} tokens/s)."])
+        f"after the rounds ({' / '.join(f'{t:.0f}' for t in r['throughput'])} tokens/s). Reward scored as "
+        f"responses finish (tail batching): {1 - exposed / busy:.0%} of the {busy:.2f} s of scoring was hidden "
+        f"behind generation ({exposed:.2f} s after the last response of a round)."])
 
 
 def rollout_history(r: dict[str, Any]) -> str:
@@ -282,7 +285,23 @@ def reward(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout,
+def race_bias(r: dict[str, Any]) -> str:
+    """bench.race_bias: held-out pass@1 per configuration and seed, paired against the baseline."""
+    seeds = [str(s) for s in r["seeds"]]
+    lines = [f"Held-out pass@1, {r['settings']['eval_n']} samples per prompt, starting policy "
+             f"{r['start']['pass_at_1']:.3f}; {provenance(r)}:", "",
+             "| configuration | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | paired Δ vs baseline (95% CI) |",
+             "|---|" + "---|" * (len(seeds) + 2)]
+    for key, runs in r["runs"].items():
+        scores = [runs[s]["pass_at_1"] for s in seeds]
+        p = r["paired"].get(key)
+        delta = f"{p['mean']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]" if p else ""
+        lines.append(f"| {key} | " + " | ".join(f"{x:.3f}" for x in scores) + f" | {statistics.fmean(scores):.3f} "
+                     f"| {delta} |")
+    return "\n".join(lines)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
     "sim": sim, "stream": stream, "packing": packing, "attention": attention,
     "engine": engine, "reward": reward}

@@ -187,8 +187,8 @@ class GroupInbox:
         self.port = _bind(self._sock, 64)
 
     def receive(self) -> Any:
-        """The next message: a finished prompt group, None when the round's rollout has ended
-        (on rank 0: a training rank's acknowledgement)."""
+        """The next message: a finished prompt group, or the end of the round's rollout
+        (``streaming.RolloutEnded``); on rank 0: a training rank's acknowledgement."""
         return self._sock.recv_pyobj()
 
     def wait(self, timeout_s: float) -> bool:
@@ -219,7 +219,7 @@ class GroupFeed:
         self._socks: dict[int, zmq.Socket] = {}
 
     def send(self, ranks: Iterable[int], group: Any) -> None:
-        """``group`` to each of ``ranks`` (one data-parallel replica); None ends their round."""
+        """``group`` to each of ``ranks`` (one data-parallel replica); ``streaming.RolloutEnded`` ends their round."""
         for rank in ranks:
             if rank not in self._socks:
                 sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -21,7 +21,7 @@ def results(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_streamed_gradient_equals_one_shot(results, aggregation):
     r = results[aggregation]
-    assert len(r["streamed"]) == 4
+    assert len(r["streamed"]) == 5
     for run in r["streamed"]:
         assert run["rel_grad_diff"] < 1e-5, run
         assert run["rel_param_diff"] < 1e-5, run
@@ -39,10 +39,18 @@ def test_stream_accounting(results):
     assert everything_streamed["split"] == ["r1"] * 6
     assert everything_streamed["metrics"]["stream_groups_before_rollout_end"] == 6
     assert everything_streamed["metrics"]["stream_overlap_share"] == 1.0
-    for run in r["streamed"][1:]:
+    for run in r["streamed"][1:4]:
         streamed = sum(w != "rest" for w in run["split"])
         assert run["metrics"]["stream_groups_before_rollout_end"] == streamed
         assert 0.0 < run["metrics"]["stream_overlap_share"] < 1.0 or streamed in (0, 6)
+    # The rollout ended after rank 1's first burst, but rank 1 learned of it only after training every
+    # burst: what it trained after the end counts as after, in groups, tokens and seconds.
+    late = r["streamed"][4]
+    assert late["split"] == ["r1"] * 6 and len(late["bursts"]) > 1
+    m = late["metrics"]
+    assert m["stream_groups_before_rollout_end"] == late["bursts"][0]
+    assert 0.0 < m["stream_overlap_share"] < 1.0
+    assert m["stream_compute_s_before"] > 0.0 and m["stream_compute_s_after"] > 0.0
 
 
 def test_one_optimizer_step_and_replicas_agree(results):

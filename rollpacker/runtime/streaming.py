@@ -7,8 +7,8 @@ rank of a replica's TP/PP/CP group inside it) and it is not rank 0's own.
 From the hand-off on, kept groups (those kept before it first) go to the
 replica with the fewest tokens so far that has room in its window; every
 rank of that replica receives the group, runs forward/backward on it and
-acknowledges it. When the round ends the replicas are told so, and the
-groups nobody streamed are trained by every replica in the step's
+acknowledges it. When the round ends the replicas are told when it ended
+(:class:`RolloutEnded`), and the groups nobody streamed are trained by every replica in the step's
 ``finish``, balanced against what each already streamed.
 """
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch.distributed as dist
@@ -28,6 +30,12 @@ from rollpacker.trainer.packing import sequence_length
 from rollpacker.trainer.stream import StreamTrainer
 
 Group = list[Sample]
+
+
+@dataclass(frozen=True)
+class RolloutEnded:
+    """The round's rollout ended at wall-clock time ``at``: the last message a streaming rank gets."""
+    at: float
 
 
 def _key(group: Group) -> tuple[int, int]:
@@ -62,11 +70,12 @@ class StreamFeed:
 
     def end_round(self) -> list[Group]:
         """Stop feeding, tell the training replicas the rollout is over; returns the groups they got."""
+        ended = RolloutEnded(time.time())
         if self._feeder is not None:
             self._incoming.put(None)
             self._feeder.join()
         for ranks in self._replicas:
-            self.feed.send(ranks, None)
+            self.feed.send(ranks, ended)
         streamed = self._streamed
         self._start_round(None)
         return streamed
@@ -133,11 +142,11 @@ def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[
     Returns the groups trained."""
     stream.begin()
     n = 0
-    while (group := inbox.receive()) is not None:
-        stream.consume([group])
-        ack(_key(group))
+    while not isinstance(message := inbox.receive(), RolloutEnded):
+        stream.consume([message])
+        ack(_key(message))
         n += 1
-    stream.end_rollout()
+    stream.end_rollout(at=message.at)
     return n
 
 

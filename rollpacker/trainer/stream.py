@@ -51,8 +51,8 @@ def with_advantages(group: Sequence[Sample], cfg: TrainerConfig) -> list[Sample]
 class StreamReport:
     """What streaming achieved in one step (global over data-parallel replicas)."""
 
-    started_at: float | None  # clock time of the first streamed group; None if nothing streamed
-    rollout_ended_at: float | None
+    started_at: float | None  # wall-clock time the first streamed group began training; None if none did
+    rollout_ended_at: float | None  # wall-clock time the rollout ended (on the rank that ran it)
     groups_before_rollout_end: int
     groups_total: int
     tokens_before_rollout_end: int  # compute tokens (prompt + response) trained before rollout ended
@@ -70,7 +70,9 @@ class StreamTrainer:
     """Builds one optimizer step from groups fed in any order, split, or all at once."""
 
     def __init__(self, backend: Backend, cfg: TrainerConfig, *, reference: dict[str, torch.Tensor] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.time):
+        # Wall-clock time: a streamed group counts as trained before the rollout ended only if its
+        # training finished before that moment, which another rank (rank 0) observes.
         if cfg.kl_coef > 0 and reference is None:
             raise ValueError("trainer.kl_coef > 0 needs the reference policy's weights (reference=...)")
         self.backend, self.cfg, self.reference, self.clock = backend, cfg, reference, clock
@@ -90,10 +92,10 @@ class StreamTrainer:
         """Start a step: zero gradients and counters."""
         self.backend.zero_grad()
         self._sums = LossSums.zeros(self.backend.layout.device)
-        # local counters: response tokens, sequences, groups and compute tokens; before/after rollout end
-        self._counts = {k: 0 for k in ("resp_tokens", "sequences", "groups", "groups_before", "tokens",
-                                       "tokens_before")}
-        self._compute_s = [0.0, 0.0]
+        # local counters: response tokens, sequences, groups and compute tokens
+        self._counts = {k: 0 for k in ("resp_tokens", "sequences", "groups", "tokens")}
+        self._spans: list[tuple[float, float, int, int]] = []  # streamed: (start, end, tokens, groups)
+        self._finish_s = 0.0
         self._started_at: float | None = None
         self._rollout_ended_at: float | None = None
         self._policy_on_host: dict[str, torch.Tensor] | None = None
@@ -108,14 +110,18 @@ class StreamTrainer:
         self._require_open()
         if not groups:
             return
+        start = self.clock()
         if self._started_at is None:
-            self._started_at = self.clock()
-        self._train([s for g in groups for s in with_advantages(g, self.cfg)], len(groups))
+            self._started_at = start
+        tokens = self._train([s for g in groups for s in with_advantages(g, self.cfg)], len(groups))
+        self._spans.append((start, self.clock(), tokens, len(groups)))
 
-    def end_rollout(self) -> None:
-        """Mark the end of rollout: later work no longer overlaps it."""
+    def end_rollout(self, at: float | None = None) -> None:
+        """Mark the end of rollout, which happened at wall-clock time ``at`` (default: now). A rank
+        learns of it by message, possibly while it still trains on groups fed before: only training
+        finished by ``at`` counts as overlapping the rollout."""
         self._require_open()
-        self._rollout_ended_at = self.clock()
+        self._rollout_ended_at = self.clock() if at is None else at
 
     def finish(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """Train on ``remaining`` (identical on every rank), reduce, normalise, step once.
@@ -136,7 +142,9 @@ class StreamTrainer:
         mine = balance([sequence_length(s) for s in samples], layout.dp,
                        start=[int(x) for x in loads] if layout.dp > 1 else None)[layout.dp_rank]
         # groups are split across replicas; count each once (on replica 0) for the report
+        start = self.clock()
         self._train([samples[i] for i in mine], len(remaining) if layout.dp_rank == 0 else 0)
+        self._finish_s = self.clock() - start
         return self._reduce_and_step()
 
     # -- internals ----------------------------------------------------------------------------------
@@ -145,8 +153,8 @@ class StreamTrainer:
         if not self._open:
             raise RuntimeError("call begin() before feeding a step, and only once per step")
 
-    def _train(self, samples: list[Sample], num_groups: int) -> None:
-        t0 = time.perf_counter()
+    def _train(self, samples: list[Sample], num_groups: int) -> int:
+        """Forward/backward on ``samples``; returns their compute tokens."""
         if samples:
             mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
                                      aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
@@ -155,17 +163,22 @@ class StreamTrainer:
                 self._attach_reference_logprobs(mbs)
             for result in self.backend.forward_backward(mbs, self._loss_fn):
                 self._sums = self._sums + result
-        before = self._rollout_ended_at is None
-        self._compute_s[0 if before else 1] += time.perf_counter() - t0
         tokens = sum(sequence_length(s) for s in samples)
         c = self._counts
         c["resp_tokens"] += sum(len(s.response_ids) for s in samples)
         c["sequences"] += len(samples)
         c["groups"] += num_groups
         c["tokens"] += tokens
-        if before:
-            c["groups_before"] += num_groups
-            c["tokens_before"] += tokens
+        return tokens
+
+    def _overlap(self) -> list[float]:
+        """This rank's groups and tokens trained before the rollout ended, and its training seconds
+        before and after that moment."""
+        ended = self._rollout_ended_at
+        done = [(tokens, groups) for _, end, tokens, groups in self._spans if end <= ended]
+        before_s = sum(max(0.0, min(end, ended) - start) for start, end, _, _ in self._spans)
+        after_s = self._finish_s + sum(max(0.0, end - max(start, ended)) for start, end, _, _ in self._spans)
+        return [sum(g for _, g in done), sum(t for t, _ in done), before_s, after_s]
 
     def _attach_reference_logprobs(self, mbs: list[MicroBatch]) -> None:
         # weights do not change within a step: copy them to host once, not once per streamed group
@@ -180,7 +193,7 @@ class StreamTrainer:
         layout = self.backend.layout
         self._open = False
         self._policy_on_host = None
-        counts = torch.tensor([*self._counts.values(), *self._compute_s], dtype=torch.float64, device=layout.device)
+        counts = torch.tensor([*self._counts.values(), *self._overlap()], dtype=torch.float64, device=layout.device)
         sums = self._sums.as_vector()
         if layout.dp > 1:
             dist.all_reduce(counts, group=layout.dp_group)
@@ -189,8 +202,9 @@ class StreamTrainer:
             dist.all_reduce(sums, group=layout.cp_group)
         if layout.pp > 1:  # only the last stage computed the loss; share its metrics with every stage
             dist.all_reduce(sums, group=layout.pp_group)
-        total = dict(zip(self._counts, (int(x) for x in counts[:len(self._counts)].tolist())))
-        compute_before, compute_after = counts[len(self._counts):].tolist()
+        total = dict(zip([*self._counts, "groups_before", "tokens_before"],
+                         (int(x) for x in counts[:len(self._counts) + 2].tolist())))
+        compute_before, compute_after = counts[len(self._counts) + 2:].tolist()
         denom = denominator(total["resp_tokens"], total["sequences"], self.cfg.loss_aggregation)
         if denom == 0:
             raise ValueError("the step holds no response tokens: nothing to train on")

@@ -10,9 +10,8 @@ while rollout is still running; see stream.py).
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -36,8 +35,7 @@ def make_backend(model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerCon
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, layout: ParallelLayout, *,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, layout: ParallelLayout):
         if (cfg.tp, cfg.pp, cfg.cp) != (layout.tp, layout.pp, layout.cp):
             raise ValueError(f"trainer.tp/pp/cp = {cfg.tp}/{cfg.pp}/{cfg.cp} but the layout was set up as "
                              f"{layout.tp}/{layout.pp}/{layout.cp}; build the layout from the trainer config")
@@ -49,7 +47,7 @@ class Trainer:
         self.backend = make_backend(self.model, layout, cfg)
         # The KL reference is the initial policy, kept on host and swapped in for its forward passes.
         reference = self.backend.params_to_host() if cfg.kl_coef > 0 else None
-        self.stream = StreamTrainer(self.backend, cfg, reference=reference, clock=clock)
+        self.stream = StreamTrainer(self.backend, cfg, reference=reference)
         self.steps = 0
 
     def train_step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:

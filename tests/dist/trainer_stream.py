@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,21 +31,31 @@ def flat_params(trainer: Trainer) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]).clone()
 
 
-def streamed_step(trainer: Trainer, groups, rng: random.Random, rank: int, *, all_on_rank1: bool = False) -> dict:
+def streamed_step(trainer: Trainer, groups, rng: random.Random, rank: int, *, all_on_rank1: bool = False,
+                  ended_after_first_burst: bool = False) -> dict:
     """Feed ``groups`` in a random order: some streamed on rank 0, some on rank 1, the rest at the end
-    (or, with ``all_on_rank1``, every group streamed on rank 1 and nothing left for rank 0)."""
+    (or, with ``all_on_rank1``, every group streamed on rank 1 and nothing left for rank 0). With
+    ``ended_after_first_burst`` the rollout ends right after the first burst's training, but the
+    rank learns of it only after training the others too (as a late message would tell it)."""
     order = list(range(len(groups)))
     rng.shuffle(order)
     where = ["r1" if all_on_rank1 else rng.choice(["r0", "r1", "rest"]) for _ in order]
     trainer.stream.begin()
-    mine = [groups[i] for i, w in zip(order, where) if w == f"r{rank}"]
-    while mine:  # arrive in bursts of 1..3 groups
-        k = rng.randint(1, 3)
-        trainer.stream.consume(mine[:k])
-        mine = mine[k:]
-    trainer.stream.end_rollout()
+    bursts: dict[int, list] = {0: [], 1: []}  # drawn on every rank alike, so rank 0 can report rank 1's
+    for r, planned in bursts.items():
+        mine = [groups[i] for i, w in zip(order, where) if w == f"r{r}"]
+        while mine:  # arrive in bursts of 1..3 groups
+            k = rng.randint(1, 3)
+            planned.append(mine[:k])
+            mine = mine[k:]
+    ended_at = None
+    for burst in bursts[rank]:
+        trainer.stream.consume(burst)
+        if ended_after_first_burst and ended_at is None:
+            ended_at = time.time()
+    trainer.stream.end_rollout(at=ended_at)
     metrics = trainer.finish_step([groups[i] for i, w in zip(order, where) if w == "rest"])
-    return {"metrics": metrics, "split": where}
+    return {"metrics": metrics, "split": where, "bursts": [len(b) for b in bursts[1]]}
 
 
 def main() -> None:
@@ -66,9 +77,10 @@ def main() -> None:
         gathered = [torch.empty_like(params_after) for _ in range(layout.dp)]
         dist.all_gather(gathered, params_after, group=layout.dp_group)
         runs = []
-        for trial in range(4):
+        for trial in range(5):
             trainer.load_state_dict(snapshot)
-            run = streamed_step(trainer, groups, random.Random(100 + trial), rank, all_on_rank1=trial == 0)
+            run = streamed_step(trainer, groups, random.Random(100 + trial), rank, all_on_rank1=trial in (0, 4),
+                                ended_after_first_burst=trial == 4)
             grad = flat_grad(trainer)
             run["rel_grad_diff"] = float((grad - reference).norm() / reference.norm())
             run["rel_param_diff"] = float((flat_params(trainer) - params_after).norm() / params_after.norm())
