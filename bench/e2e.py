@@ -105,6 +105,12 @@ def run_chunk(args: argparse.Namespace, name: str, mode: rep.Mode, seed: int, st
     return time.monotonic() - start
 
 
+def clear_run(out: Path, name: str) -> None:
+    """Remove an earlier run of ``name`` and its log: the program would otherwise resume it."""
+    shutil.rmtree(out / name, ignore_errors=True)
+    (out / f"{name}.log").unlink(missing_ok=True)
+
+
 def run_all(args: argparse.Namespace, runs: list[tuple[str, rep.Mode, int]]) -> dict[str, Any]:
     """Every run in one-cycle chunks, the runs' chunks interleaved (order reversed every pass)."""
     out = Path(args.out)
@@ -113,8 +119,7 @@ def run_all(args: argparse.Namespace, runs: list[tuple[str, rep.Mode, int]]) -> 
         ends.append(args.steps)
     manifest: dict[str, Any] = {}
     for name, mode, seed in runs:
-        shutil.rmtree(out / name, ignore_errors=True)  # the program would otherwise resume an old run
-        (out / f"{name}.log").unlink(missing_ok=True)
+        clear_run(out, name)
         manifest[name] = {"mode": mode.key, "seed": seed, "warm_steps": [], "chunk_wall_s": []}
     prev = 0
     for k, end in enumerate(ends):

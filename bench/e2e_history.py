@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -82,8 +81,7 @@ def run_all(args: argparse.Namespace, split: Path) -> dict[str, Any]:
     for k, seed in enumerate(args.seed_list):
         for mode in MODES if k % 2 == 0 else MODES[::-1]:
             name = f"{mode.key}-s{seed}"
-            shutil.rmtree(Path(args.out) / name, ignore_errors=True)  # the program would resume an old run
-            (Path(args.out) / f"{name}.log").unlink(missing_ok=True)
+            e2e.clear_run(Path(args.out), name)
             split_mode = rep.Mode(mode.key, mode.label, {**mode.overrides, "data.train_files": f"[{split}]"})
             wall = e2e.run_chunk(args, name, split_mode, seed, steps)
             manifest[name] = {"mode": mode.key, "seed": seed, "warm_steps": [1], "wall_s": wall}

@@ -108,6 +108,11 @@ class StorageOffload:
         return restored
 
 
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of a torch optimizer's per-parameter state (Adam's moments and step counters)."""
+    return [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
 def _distinct_storages(tensors: list[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
     """Each non-empty storage under ``tensors`` once, by address (views of one buffer share it)."""
     storages = (t.untyped_storage() for t in tensors)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.parallel import ParallelLayout
-from rollpacker.trainer.backend import Backend, LossFn, StepResult, global_grad_norm
+from rollpacker.trainer.backend import Backend, LossFn, StepResult, global_grad_norm, state_tensors
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import MicroBatch
 
@@ -111,5 +111,5 @@ class CpuBackend(Backend):
                     s[k] = v.clone()
 
     def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return list(self.model.parameters()) + state, [p.grad for p in self._params if p.grad is not None]
+        return (list(self.model.parameters()) + state_tensors(self.optimizer),
+                [p.grad for p in self._params if p.grad is not None])

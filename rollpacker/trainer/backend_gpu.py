@@ -31,7 +31,7 @@ from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
 from megatron_ext.sdpa_attention import uses_sdpa_attention
-from rollpacker.trainer.backend import Backend, LossFn, StepResult
+from rollpacker.trainer.backend import Backend, LossFn, StepResult, state_tensors
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import TOKEN_FIELDS, MicroBatch
 
@@ -217,5 +217,5 @@ class GpuBackend(Backend):
             for group in o.optimizer.param_groups:
                 keep += group["params"]
                 drop += [p.grad for p in group["params"] if p.grad is not None]
-            keep += [t for s in o.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+            keep += state_tensors(o.optimizer)
         return keep, drop
