@@ -14,8 +14,9 @@ from typing import Any, Sequence
 Record = dict[str, Any]
 
 # The ablation, cumulative as in the published table; each mode is the previous one plus its overrides.
+# History (ours, not in the published table) is measured on its own by bench.e2e_history.
 _BASE = {"scheduler.mode": "baseline", "reward.async_scoring": "false", "scheduler.planner.enabled": "false",
-         "rollout.tp": "1", "trainer.stream": "false"}
+         "rollout.tp": "1", "trainer.stream": "false", "scheduler.history.enabled": "false"}
 _STEPS = [
     ("baseline", "baseline (synchronous, veRL-style)", {}),
     ("tail_batching", "tail batching", {"scheduler.mode": "tail_batching"}),

@@ -43,11 +43,13 @@ def test_modes_are_cumulative_and_use_real_config_keys():
     assert rep.MODES[0].overrides["scheduler.mode"] == "baseline"
     by_key = {m.key: m.overrides for m in rep.MODES}
     assert by_key[rep.ROLLPACKER] == {"scheduler.mode": "tail_batching", "reward.async_scoring": "true",
-                    "scheduler.planner.enabled": "true", "rollout.tp": "1", "trainer.stream": "true"}
+                    "scheduler.planner.enabled": "true", "rollout.tp": "1", "trainer.stream": "true",
+                    "scheduler.history.enabled": "false"}  # history: measured by bench.e2e_history
     sections = {"run": ("rollpacker/config.py", "RunSection"), "data": ("rollpacker/data/config.py", "DataConfig"),
                 "rollout": ("rollpacker/rollout/config.py", "RolloutConfig"),
                 "scheduler": ("rollpacker/scheduler/config.py", "SchedulerConfig"),
                 "scheduler.planner": ("rollpacker/scheduler/config.py", "PlannerConfig"),
+                "scheduler.history": ("rollpacker/scheduler/config.py", "HistoryConfig"),
                 "reward": ("rollpacker/reward/config.py", "RewardConfig"),
                 "trainer": ("rollpacker/trainer/config.py", "TrainerConfig")}
     keys = {k for m in rep.MODES for k in m.overrides} | {o.split("=")[0] for o in rep.seed_overrides(3)}

@@ -243,14 +243,16 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
 
 
 def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(sglang_venv_python, tmp_path):
-    """The shipped planner profile keeps two TP-1 engines in the long round (step 5), so the stream
-    trainer's hand-off can fire on SGLang: it needs the engines' KV capacity and load (review L6: with
-    a capacity of 0 it never fired). Rank 1's engine leaves mid-round, its running requests continue on
-    rank 0's engine from their tokens so far (sglang continues them by prefill; the continuation is a
-    fresh sample, see sglang_backend), rank 1 trains the groups handed to it, and the log-probs the
-    trainer computes for every step's samples, migrated ones included, agree with the engine's."""
+    """With two TP-1 engines in the long round (step 5; the planner off, so no TP-2 engine is built)
+    the stream trainer's hand-off can fire on SGLang: it needs the engines' KV capacity and load
+    (review L6: with a capacity of 0 it never fired). Rank 1's engine leaves mid-round, its running
+    requests continue on rank 0's engine from their tokens so far (sglang continues them by prefill;
+    the continuation is a fresh sample, see sglang_backend), rank 1 trains the groups handed to it,
+    and the log-probs the trainer computes for every step's samples, migrated ones included, agree
+    with the engine's."""
     out = tmp_path / "runs"
-    args = [a for a in PROGRAM_ARGS if a != "scheduler.planner.profile=[]"]
+    args = [a for a in PROGRAM_ARGS if a != "scheduler.planner.profile=[]"] + ["scheduler.planner.enabled=false",
+                                                                              "rollout.tp=1"]
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "rollpacker.train", *args, "run.save_every=0", f"run.output_dir={out}", "run.name=stream",
            f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}"]

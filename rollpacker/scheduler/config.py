@@ -67,7 +67,8 @@ class PlannerConfig:
 @dataclass
 class HistoryConfig:
     """History-aware tail batching (``rollpacker.scheduler.history``): prompts whose earlier attempt
-    showed them long skip the short race and fill the over-launch budget in place of racers."""
+    showed them long skip the short race and fill the over-launch budget in place of racers. Inert in
+    the baseline mode, which has no race to skip."""
 
     enabled: bool = False
     # predicted long: last seen longer than margin x the short rounds' closing length
@@ -119,5 +120,3 @@ class SchedulerConfig:
             if getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be >= 1.0, got {getattr(self, name)}")
         self.history.validate()
-        if self.history.enabled and self.mode == "baseline":
-            raise ConfigError("scheduler.history needs a tail-batching mode: the baseline has no short race to skip")

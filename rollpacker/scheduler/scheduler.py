@@ -26,7 +26,7 @@ from rollpacker.scheduler.config import SchedulerConfig, TPProfile
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.history import PromptHistory
-from rollpacker.scheduler.modes import make_policy
+from rollpacker.scheduler.modes import make_policy, races
 from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import PromptSource, RewardSink
 from rollpacker.scheduler.queue import LongPromptQueue
@@ -61,7 +61,7 @@ class Scheduler:
         self.sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                                        max_new_tokens=rollout.max_response_length,
                                        stop_token_ids=tuple(stop_token_ids), seed=rollout.seed)
-        self.history = PromptHistory(cfg.history) if cfg.history.enabled else None
+        self.history = PromptHistory(cfg.history) if cfg.history.enabled and races(cfg.mode) else None
         self.policy = make_policy(cfg, HistoryAdmission(cfg, self.history) if self.history is not None else FreshAdmission(cfg))
         self.queue = LongPromptQueue()
         self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)

@@ -19,5 +19,10 @@ def make_policy(cfg: SchedulerConfig, admission: FreshAdmission) -> RoundPolicy:
     return _POLICIES[cfg.mode](cfg, admission)
 
 
+def races(mode: str) -> bool:
+    """Whether ``mode``'s short rounds race prompts (``scheduler.history`` is inert where they do not)."""
+    return _POLICIES[mode].races
+
+
 __all__ = ["RoundPolicy", "RoundSpec", "BaselinePolicy", "TailBatchingPolicy", "DynamicSamplingPolicy",
-           "make_policy"]
+           "make_policy", "races"]

@@ -30,6 +30,8 @@ class RoundSpec:
 class RoundPolicy(abc.ABC):
     """``admission`` picks a short round's fresh prompts (modes without short rounds ignore it)."""
 
+    races = True  # short rounds race over-launched prompts, so a prompt's history can route it past the race
+
     def __init__(self, cfg: SchedulerConfig, admission: FreshAdmission) -> None:
         self.cfg = cfg
         self.admission = admission
