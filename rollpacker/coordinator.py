@@ -12,6 +12,11 @@ handed to the stream trainer (``GroupFeed`` → ``GroupInbox``, PUSH/PULL).
 
 Addresses are exchanged once over the world process group (every rank
 publishes host:port), so the channel works across nodes under torchrun.
+
+Every connection lasts the whole run, so one that closes means the process at
+the other end is gone: a waiting socket then raises ``PeerLostError`` at once
+instead of waiting on a reply that cannot come (torchrun would kill the
+survivor only after its shutdown timeout, and a lone rank would wait forever).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import torch.distributed as dist
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RequestError,
                                        RolloutEngine)
@@ -30,6 +36,48 @@ from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, Gen
 _STOP = "__stop_serving__"
 ROUND_END = "round_end"  # why a server stops: the round is over ...
 TO_TRAINING = "to_training"  # ... or its ranks were handed to the stream trainer mid-round
+
+
+# A dead process's connections close at once; a node that drops off the network is noticed by
+# ZeroMQ's heartbeats within the timeout.
+_HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 2_000, 30_000
+
+
+class PeerLostError(ConnectionError):
+    """The rank at the other end of a coordinator socket is gone."""
+
+
+class _Channel:
+    """A ZeroMQ socket of ``kind`` that notices when a peer hangs up (its socket monitor)."""
+
+    def __init__(self, kind: int, peer: str):
+        self.sock = zmq.Context.instance().socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        self.peer = peer
+        self._lost: str | None = None  # the endpoint that hung up, once one has
+        self._hangups = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._hangups, zmq.POLLIN)
+
+    def ready(self, timeout_ms: int | None) -> bool:
+        """Whether a message waits (within ``timeout_ms``; None: until one does). Raises
+        ``PeerLostError`` when none does and a peer has hung up; one sent before that comes first."""
+        events = dict(self._poller.poll(0 if self._lost else timeout_ms))
+        if self.sock in events:
+            return True
+        if self._hangups in events:
+            self._lost = recv_monitor_message(self._hangups)["endpoint"].decode()
+        if self._lost:
+            raise PeerLostError(f"{self.peer} hung up ({self._lost}): its process died or its node left the job")
+        return False
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self._hangups.close(linger=0)
+        self.sock.close(linger=0)
 
 
 @dataclass(frozen=True)
@@ -76,18 +124,17 @@ class EngineServer:
     """
 
     def __init__(self):
-        self._sock = zmq.Context.instance().socket(zmq.REP)
+        self._channel = _Channel(zmq.REP, "the coordinator (rank 0)")
+        self._sock = self._channel.sock
         self.port = _bind(self._sock, 0)
         self._done: list[Completion] = []
 
     def serve(self, engine: RolloutEngine) -> str:
         """Step ``engine`` whenever it has work, answer messages between steps, until told to
         stop; returns the reason the coordinator gave (``ROUND_END`` or ``TO_TRAINING``)."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while True:
             busy = bool(engine.active_request_ids())
-            if poller.poll(0 if busy else 50):
+            if self._channel.ready(0 if busy else 50):
                 method, args = self._sock.recv_pyobj()
                 if method == _STOP:
                     self._sock.send_pyobj(("ok", None))
@@ -97,7 +144,7 @@ class EngineServer:
                 self._done.extend(engine.poll(0.0))
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._channel.close()
 
     def _handle(self, engine: RolloutEngine, method: str, args: tuple) -> tuple[str, Any]:
         try:
@@ -121,17 +168,16 @@ class RemoteEngine(RolloutEngine):
 
     def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0):
         self.endpoint, self.engine_id = endpoint, engine_id
-        self._sock = zmq.Context.instance().socket(zmq.REQ)
-        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._timeout_ms = int(timeout_s * 1000)
+        self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
+        self._sock = self._channel.sock
         self._sock.connect(endpoint.address)
 
     def _call(self, method: str, *args: Any) -> Any:
         self._sock.send_pyobj((method, args))
-        try:
-            status, value = self._sock.recv_pyobj()
-        except zmq.Again:
-            raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}") from None
+        if not self._channel.ready(self._timeout_ms):
+            raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}")
+        status, value = self._sock.recv_pyobj()
         if status == "request_error":
             raise RequestError(value)
         if status == "error":
@@ -176,19 +222,21 @@ class RemoteEngine(RolloutEngine):
         self._call(_STOP, reason)
 
     def shutdown(self) -> None:
-        self._sock.close(linger=0)
+        self._channel.close()
 
 
 class GroupInbox:
     """A rank's end of the stream-trainer feed: prompt groups pushed by the coordinator."""
 
     def __init__(self):
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._channel = _Channel(zmq.PULL, "the coordinator (rank 0), feeding this rank's stream trainer,")
+        self._sock = self._channel.sock
         self.port = _bind(self._sock, 64)
 
     def receive(self) -> Any:
-        """The next message: a finished prompt group, or the end of the round's rollout
-        (``streaming.RolloutEnded``); on rank 0: a training rank's acknowledgement."""
+        """The next message on a rank handed to training: a finished prompt group, or the end of the
+        round's rollout (``streaming.RolloutEnded``)."""
+        self._channel.ready(None)
         return self._sock.recv_pyobj()
 
     def wait(self, timeout_s: float) -> bool:
@@ -203,7 +251,7 @@ class GroupInbox:
         return out
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._channel.close()
 
 
 class GroupFeed:

@@ -1,0 +1,162 @@
+"""The coordinator channel between real processes: a peer that dies is reported at once.
+
+Every test runs one end of the channel here and the other in a child process that it kills or
+that kills itself, as a rank does when SIGKILL or the OOM killer reaches it. Before the channel
+watched its connections, the survivor waited (a remote call up to its 600 s timeout, a serving
+rank forever) until torchrun killed it after its 30 s shutdown timeout.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Callable, Iterator
+
+import pytest
+
+from rollpacker.coordinator import EngineServer, Endpoint, GroupInbox, PeerLostError, RemoteEngine
+from rollpacker.testing import REPO_ROOT
+
+
+class DiesOnStats:
+    """An idle engine whose ``stats`` kills the process serving it, halfway through a call."""
+
+    def active_request_ids(self) -> list[str]:
+        return []
+
+    def release_memory(self, tags) -> None:
+        pass
+
+    def stats(self):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Slow:
+    """An idle engine that takes a second to answer ``stats``."""
+
+    def active_request_ids(self) -> list[str]:
+        return []
+
+    def stats(self) -> str:
+        import time
+
+        time.sleep(1.0)
+        return "slow but alive"
+
+
+def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
+    """What ``call`` raised, run in a thread; fails the test if it returned, or still waits after
+    ``seconds`` (the hang this channel must not have)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert outcome, f"still waiting after {seconds} s"
+    assert isinstance(outcome[0], BaseException), f"returned {outcome[0]!r}"
+    return outcome[0]
+
+
+def child(script: str) -> subprocess.Popen:
+    """``script`` in a fresh interpreter; its first stdout line is read by the caller."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}"})
+
+
+@contextlib.contextmanager
+def served(engine: str) -> Iterator[subprocess.Popen]:
+    """A child process serving ``engine`` (a class of this module) as a rank's ``EngineServer``;
+    its port is ``.port``."""
+    server = child(f"""
+        from rollpacker.coordinator import EngineServer
+        from test_coordinator import {engine}
+        server = EngineServer()
+        print(server.port, flush=True)
+        server.serve({engine}())
+    """)
+    server.port = int(server.stdout.readline())
+    try:
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+
+
+def remote(port: int, engine_id: int, timeout_s: float) -> RemoteEngine:
+    return RemoteEngine(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id=engine_id, timeout_s=timeout_s)
+
+
+def test_a_remote_call_raises_when_the_serving_rank_dies_in_it():
+    with served("DiesOnStats") as server:
+        proxy = remote(server.port, 1, timeout_s=60)
+        proxy.release_memory(["kv_cache"])  # answered: the connection is up
+        error = raised_within(30, proxy.stats)
+        proxy.shutdown()
+        assert isinstance(error, PeerLostError) and "rank 1, serving engine 1, hung up" in str(error)
+        assert server.wait() == -9
+
+
+def test_a_serving_rank_raises_when_the_coordinator_dies():
+    server = EngineServer()
+    coordinator = child(f"""
+        import os, signal
+        from rollpacker.coordinator import Endpoint, RemoteEngine
+        remote = RemoteEngine(Endpoint(1, "tcp://127.0.0.1:{server.port}", ""), engine_id=1)
+        remote.release_memory(["kv_cache"])
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    try:
+        # answers release_memory, then waits for the next call
+        error = raised_within(30, lambda: server.serve(DiesOnStats()))
+        assert isinstance(error, PeerLostError) and "the coordinator (rank 0) hung up" in str(error)
+    finally:
+        server.close()
+        coordinator.wait()
+    assert coordinator.returncode == -9
+
+
+def test_a_stream_training_rank_gets_what_was_sent_before_the_coordinator_died_then_an_error():
+    inbox = GroupInbox()
+    feeder = child(f"""
+        import os, signal, time
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect("tcp://127.0.0.1:{inbox.port}")
+        sock.send_pyobj("group 1")
+        sock.send_pyobj("group 2")
+        time.sleep(0.5)  # let both reach the inbox's queue before the connection drops
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    try:
+        feeder.wait()
+        assert [inbox.receive(), inbox.receive()] == ["group 1", "group 2"]
+        error = raised_within(30, inbox.receive)
+        assert isinstance(error, PeerLostError) and "feeding this rank's stream trainer" in str(error)
+    finally:
+        inbox.close()
+
+
+def test_a_slow_answer_is_not_a_hang_up():
+    """Only a closed connection counts: a peer that takes its time is waited for, up to the timeout."""
+    with served("Slow") as server:
+        patient, hasty = remote(server.port, 1, timeout_s=30), remote(server.port, 2, timeout_s=0.3)
+        try:
+            assert patient.stats() == "slow but alive"
+            with pytest.raises(TimeoutError, match="engine 2 on rank 1 did not answer stats"):
+                hasty.stats()
+        finally:
+            patient.shutdown()
+            hasty.shutdown()
