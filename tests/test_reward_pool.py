@@ -154,6 +154,22 @@ def test_workers_remove_their_scratch_directories_when_the_pools_process_is_kill
     assert list(tmp_path.glob("rollpacker-reward-*")) == []
 
 
+def test_a_process_that_crashes_without_close_ends_its_workers_quietly(tmp_path):
+    """Rank 0 raising (e.g. a peer died) never reaches ``close()``. Exiting, the interpreter ends
+    the workers; the pool must not take that for crashes and restart them into a dying process
+    (it logged "replacing it" and "reward dispatcher failed" over the error that mattered)."""
+    owner = ("from rollpacker.reward import RewardConfig, RewardPool\n"
+             "pool = RewardPool(RewardConfig(num_workers=2))\nassert pool.wait_ready(60)\n"
+             "print(*pool.stats().worker_pids, flush=True)\nraise RuntimeError('the error that matters')")
+    proc = subprocess.run([sys.executable, "-c", owner], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 1 and "the error that matters" in proc.stderr
+    assert "replacing it" not in proc.stderr and "dispatcher failed" not in proc.stderr, proc.stderr
+    workers = [int(pid) for pid in proc.stdout.split()]
+    assert len(workers) == 2 and not any(psutil.pid_exists(pid) for pid in workers)
+    assert list(tmp_path.glob("rollpacker-reward-*")) == []
+
+
 def test_submit_blocks_while_the_queue_is_full(pool):
     first = pool.submit("code", sleepy(1.0), DONE)
     wait_busy(pool)

@@ -15,6 +15,7 @@ directory the pool made for that worker and removes with it.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import hashlib
@@ -105,6 +106,7 @@ class RewardPool:
         self._submit_lock = threading.Lock()
         self._closing = False  # no more submissions: set by close() or by a failed dispatcher
         self._closed = False
+        self._abandoned = False  # the process exits without close(): stop, replace no worker
         self._replaced = self._retried = self._start_failures = 0
         self._all_ready = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -112,6 +114,7 @@ class RewardPool:
         self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
         self._thread.start()
+        atexit.register(self._abandon)
 
     # ---- public API -------------------------------------------------------------------
     def submit(self, data_source: str, response: str, label: Any, *, key: str | None = None) -> Future:
@@ -139,6 +142,7 @@ class RewardPool:
             if self._closed:
                 return
             self._closing = self._closed = True
+        atexit.unregister(self._abandon)
         self._wake()
         self._thread.join()
         os.close(self._wake_r)
@@ -190,6 +194,14 @@ class RewardPool:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the dispatcher already has wake-ups pending
             pass
+
+    def _abandon(self) -> None:
+        """At exit without ``close()`` (the process is failing): stop the workers now. Left to
+        multiprocessing's exit handler (registered earlier, so run after this one), they would die
+        under a running dispatcher, which would take them for crashes and restart them."""
+        self._abandoned = self._closing = True
+        self._wake()
+        self._thread.join(10)
 
     # ---- workers ------------------------------------------------------------------------
     def _start_worker(self, index: int) -> _Slot:
@@ -260,7 +272,7 @@ class RewardPool:
     # ---- dispatcher thread --------------------------------------------------------------
     def _dispatch(self) -> None:
         try:
-            while True:
+            while not self._abandoned:
                 self._assign()
                 busy = [s for s in self._slots if s.request is not None]
                 if self._closing and not busy and not self._retry and self._queue.empty():
@@ -268,6 +280,8 @@ class RewardPool:
                 timeout = max(0.0, min(s.deadline for s in busy) - time.monotonic()) if busy else None
                 waitables = [self._wake_r] + [s.conn for s in self._slots] + [s.process.sentinel for s in self._slots]
                 ready = wait(waitables, timeout)
+                if self._abandoned:
+                    break
                 if self._wake_r in ready:
                     os.read(self._wake_r, 1 << 16)
                 for slot in list(self._slots):
