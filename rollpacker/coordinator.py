@@ -125,8 +125,7 @@ class EngineServer:
 
     def __init__(self):
         self._channel = _Channel(zmq.REP, "the coordinator (rank 0)")
-        self._sock = self._channel.sock
-        self.port = _bind(self._sock, 0)
+        self.port = _bind(self._channel.sock, 0)
         self._done: list[Completion] = []
 
     def serve(self, engine: RolloutEngine) -> str:
@@ -135,11 +134,11 @@ class EngineServer:
         while True:
             busy = bool(engine.active_request_ids())
             if self._channel.ready(0 if busy else 50):
-                method, args = self._sock.recv_pyobj()
+                method, args = self._channel.sock.recv_pyobj()
                 if method == _STOP:
-                    self._sock.send_pyobj(("ok", None))
+                    self._channel.sock.send_pyobj(("ok", None))
                     return args[0]
-                self._sock.send_pyobj(self._handle(engine, method, args))
+                self._channel.sock.send_pyobj(self._handle(engine, method, args))
             if busy:
                 self._done.extend(engine.poll(0.0))
 
@@ -170,14 +169,13 @@ class RemoteEngine(RolloutEngine):
         self.endpoint, self.engine_id = endpoint, engine_id
         self._timeout_ms = int(timeout_s * 1000)
         self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
-        self._sock = self._channel.sock
-        self._sock.connect(endpoint.address)
+        self._channel.sock.connect(endpoint.address)
 
     def _call(self, method: str, *args: Any) -> Any:
-        self._sock.send_pyobj((method, args))
+        self._channel.sock.send_pyobj((method, args))
         if not self._channel.ready(self._timeout_ms):
             raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}")
-        status, value = self._sock.recv_pyobj()
+        status, value = self._channel.sock.recv_pyobj()
         if status == "request_error":
             raise RequestError(value)
         if status == "error":
@@ -230,24 +228,23 @@ class GroupInbox:
 
     def __init__(self):
         self._channel = _Channel(zmq.PULL, "the coordinator (rank 0), feeding this rank's stream trainer,")
-        self._sock = self._channel.sock
-        self.port = _bind(self._sock, 64)
+        self.port = _bind(self._channel.sock, 64)
 
     def receive(self) -> Any:
         """The next message on a rank handed to training: a finished prompt group, or the end of the
         round's rollout (``streaming.RolloutEnded``)."""
         self._channel.ready(None)
-        return self._sock.recv_pyobj()
+        return self._channel.sock.recv_pyobj()
 
     def wait(self, timeout_s: float) -> bool:
         """Whether a message arrives within ``timeout_s``."""
-        return bool(self._sock.poll(int(timeout_s * 1000)))
+        return bool(self._channel.sock.poll(int(timeout_s * 1000)))
 
     def drain(self) -> list[Any]:
         """Every message already here, without waiting."""
         out = []
-        while self._sock.poll(0):
-            out.append(self._sock.recv_pyobj())
+        while self._channel.sock.poll(0):
+            out.append(self._channel.sock.recv_pyobj())
         return out
 
     def close(self) -> None:

@@ -272,7 +272,7 @@ class RewardPool:
     # ---- dispatcher thread --------------------------------------------------------------
     def _dispatch(self) -> None:
         try:
-            while not self._abandoned:
+            while True:
                 self._assign()
                 busy = [s for s in self._slots if s.request is not None]
                 if self._closing and not busy and not self._retry and self._queue.empty():

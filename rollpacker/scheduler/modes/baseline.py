@@ -9,5 +9,6 @@ from rollpacker.scheduler.round import RoundKind
 
 class BaselinePolicy(RoundPolicy):
     races = False
+
     def next_round(self, queue: LongPromptQueue, source: PromptSource) -> RoundSpec:
         return RoundSpec(RoundKind.BASELINE, source.take(self.cfg.p0), self.cfg.r0)
