@@ -1,4 +1,5 @@
-"""SGLang backend: its logic against a recording double, its API use against the pinned wheel's source."""
+"""SGLang backend: its logic against recording doubles of each supported sglang release, and each
+release's surface (``sglang_api.SURFACES``) against the source of that release's wheel."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +9,7 @@ import os
 import subprocess
 import sys
 import zipfile
-from functools import cached_property
+from functools import cached_property, lru_cache
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -20,10 +21,11 @@ from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RENDEZVOUS_PORTS, SGLANG_PORT_SPAN, RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.sglang_args import engine_ports, server_args
-from rollpacker.rollout.sglang_api import (AGENT_STORE_ENV, SGLANG_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
-                                           SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS, SGLANG_VERSION, WeightSyncError,
-                                           sampling_params)
-from rollpacker.rollout.sglang_backend import host_env, weight_buckets
+from rollpacker.rollout.sglang_api import (AGENT_STORE_ENV, SESSION_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
+                                           SGLANG_LOAD_FIELDS, SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS,
+                                           SUPPORTED_SGLANG, SURFACES, UnsupportedSGLangError, WeightSyncError,
+                                           installed_surface, sampling_params, surface_for)
+from rollpacker.rollout.sglang_backend import SGLangEngine, host_env, weight_buckets
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -126,6 +128,27 @@ class RecordingEngine:
 
     def shutdown(self):
         self._sync("shutdown")
+
+
+class NoSessionEngine(RecordingEngine):
+    """Stands in for sglang 0.5.17: no weight-update session, a push loads at once, and a push that
+    flushes the cache while requests are held kills the scheduler (``SGLangSurface.flush_needs_idle``)."""
+
+    @property
+    def begin_weight_update(self):
+        raise AttributeError("sglang 0.5.17 has no begin_weight_update")
+
+    @property
+    def end_weight_update(self):
+        raise AttributeError("sglang 0.5.17 has no end_weight_update")
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        names = [n for n, _ in named_tensors]
+        self._sync("update_weights_from_tensor", names=names, load_format=load_format, flush_cache=flush_cache)
+        assert not (flush_cache and self.held), f"the scheduler asserts the flush while holding {sorted(self.held)}"
+        if self.refuse & set(names):
+            return False, f"Failed to update weights: cannot load {sorted(self.refuse & set(names))}"
+        return True, "Success"
 
 
 def _engine(**cfg):
@@ -354,22 +377,62 @@ def test_sglang_is_imported_only_when_selected():
             make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu")
 
 
-# ---- contract with the pinned release -----------------------------------------------------------
+def test_an_unsupported_sglang_is_refused_by_name(tmp_path, monkeypatch):
+    """Only SUPPORTED_SGLANG: a double of another release, and a real engine host that finds another
+    release installed (a bare distribution record first on its path), refuse to start, naming both."""
+    names = " and ".join(SUPPORTED_SGLANG)
+    with pytest.raises(UnsupportedSGLangError, match=f"sglang 0.5.20 is installed.*supports sglang {names} only"):
+        surface_for("0.5.20")
+    with pytest.raises(UnsupportedSGLangError, match="0.5.22"):
+        SGLangEngine("/m", RolloutConfig(backend="sglang"), device="cpu", engine_cls=RecordingEngine,
+                     double_version="0.5.22")
+    record = tmp_path / "sglang-0.5.16.dist-info"
+    record.mkdir()
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.16\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the host's path: ahead of any installed sglang
+    refused = f"did not start: UnsupportedSGLangError: sglang 0.5.16 is installed.*{names}"
+    with pytest.raises(RuntimeError, match=refused):
+        make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu")
+    assert "sglang" not in sys.modules and installed_surface.cache_info().currsize == 0  # read by the host only
+
+
+def test_a_release_without_a_weight_session_pushes_at_once_and_flushes_on_an_idle_engine():
+    """sglang 0.5.17: no begin/end_weight_update (the surface keeps them out of the API), every push
+    still checked; the last push flushes the cache, and waits for held requests to come back first."""
+    engine = SGLangEngine("/m", RolloutConfig(backend="sglang", weight_bucket_mb=1, drain_timeout_s=5.0),
+                          device="cpu", engine_cls=NoSessionEngine, double_version="0.5.17")
+    assert engine.sglang_version == "0.5.17"
+    engine.submit([GenerationRequest(f"held{i}", [1], SamplingParams(max_new_tokens=HOLD)) for i in range(2)])
+    engine.abort_all()  # the double holds them for one more step, as sglang does
+    mb = torch.zeros(1 << 18)
+    engine.update_weights([("w0", mb), ("w1", mb)])
+    assert [(c[0], c[1]["names"], c[1]["flush_cache"]) for c in double(engine).calls if "weight" in c[0]] == [
+        ("update_weights_from_tensor", ["w0"], False), ("update_weights_from_tensor", ["w1"], True)]
+    double(engine).refuse = {"w1"}
+    with pytest.raises(WeightSyncError, match=r"engine 0: .*update_weights_from_tensor.*'w1'.*cannot load"):
+        engine.update_weights([("w0", mb), ("w1", mb)])
+    assert not [c for c in double(engine).calls if "weight_update" in c[0]]
+    with pytest.raises(AssertionError, match="not in the API of sglang 0.5.17"):
+        engine._host.driver._call("Engine.begin_weight_update")
+
+
+# ---- contract with each supported release -------------------------------------------------------
 NETWORK_ERRORS = ("Network is unreachable", "Temporary failure in name resolution", "Max retries exceeded",
                   "Failed to establish a new connection", "Connection refused", "timed out", "ProxyError")
 
 
-def _wheel() -> Path:
-    found = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+def _wheel(version: str) -> Path:
+    """The release's wheel, downloaded once into the cache (about 20-40 MB; parsed, never installed)."""
+    found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
     if not found:
         proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                               f"sglang=={SGLANG_VERSION}", "-d", str(WHEEL_CACHE)],
+                               f"sglang=={version}", "-d", str(WHEEL_CACHE)],
                               capture_output=True, text=True, timeout=900)
         if proc.returncode and any(e in proc.stderr for e in NETWORK_ERRORS):
-            pytest.skip(f"package index unreachable, cannot fetch sglang=={SGLANG_VERSION}: "
+            pytest.skip(f"package index unreachable, cannot fetch sglang=={version}: "
                         f"{proc.stderr.strip().splitlines()[-1]}")
         assert proc.returncode == 0, proc.stderr
-        found = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+        found = sorted(WHEEL_CACHE.glob(f"sglang-{version}-*.whl"))
     return found[0]
 
 
@@ -409,34 +472,49 @@ class WheelSource:
     def strings(self, path: str) -> set[str]:
         return {n.value for n in ast.walk(self.tree(path)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
+    def function(self, path: str, name: str) -> ast.FunctionDef:
+        found = [n for n in ast.walk(self.tree(path)) if isinstance(n, ast.FunctionDef) and n.name == name]
+        assert found, f"function {name} not found in {path}"
+        return found[0]
+
+    def requires(self, version: str) -> list[str]:
+        meta = self.zip.read(f"sglang-{version}.dist-info/METADATA").decode()
+        return [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+
 
 CLASSES = {"Engine": "sglang/srt/entrypoints/engine.py", "TokenizerManager": "sglang/srt/managers/tokenizer_manager.py"}
 MIXINS = {"TokenizerManager": {"TokenizerControlMixin": "sglang/srt/managers/tokenizer_control_mixin.py"}}
 
 
-@pytest.fixture(scope="module")
-def wheel() -> WheelSource:
-    return WheelSource(_wheel())
+WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
 
 
-@pytest.mark.parametrize("qualname", sorted(SGLANG_API))
-def test_every_call_exists_in_the_pinned_release(wheel, qualname):
+@lru_cache(maxsize=None)
+def wheel_source(version: str) -> WheelSource:
+    return WheelSource(_wheel(version))
+
+
+@pytest.mark.parametrize("version,qualname", [(v, q) for v in SUPPORTED_SGLANG for q in sorted(SURFACES[v].api)])
+def test_every_call_exists_in_each_release(version, qualname):
+    wheel, api = wheel_source(version), SURFACES[version].api
     owner, method = qualname.split(".")
     cls = wheel.cls(CLASSES[owner], owner)
     fn = wheel.methods(cls).get(method)
     for base, path in MIXINS.get(owner, {}).items():  # methods the class inherits from its mixins
         assert base in {b.id for b in cls.bases if isinstance(b, ast.Name)}, f"{owner} no longer mixes in {base}"
         fn = fn or wheel.methods(wheel.cls(path, base)).get(method)
-    assert fn is not None, f"sglang=={SGLANG_VERSION} has no {qualname}"
+    assert fn is not None, f"sglang=={version} has no {qualname}"
     a = fn.args
     params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
     if a.kwarg is not None and method == "__init__":  # Engine(**kwargs) builds ServerArgs from them
         params |= wheel.server_args_fields
-    missing = set(SGLANG_API[qualname]) - params
-    assert not missing, f"sglang=={SGLANG_VERSION} {qualname} lacks keywords {sorted(missing)}"
+    missing = set(api[qualname]) - params
+    assert not missing, f"sglang=={version} {qualname} lacks keywords {sorted(missing)}"
 
 
-def test_engine_attributes_sampling_keys_outputs_and_env_exist(wheel):
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG)
+def test_engine_attributes_sampling_keys_outputs_and_env_exist(version):
+    wheel = wheel_source(version)
     engine_path = CLASSES["Engine"]
     assigned = {n.attr for n in ast.walk(wheel.cls(engine_path, "Engine"))
                 if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
@@ -447,6 +525,27 @@ def test_engine_attributes_sampling_keys_outputs_and_env_exist(wheel):
     assert set(SGLANG_OUTPUT_KEYS) <= out_strings, set(SGLANG_OUTPUT_KEYS) - out_strings
     assert {"type", "stop", "length", "abort"} <= wheel.strings("sglang/srt/managers/schedule_batch.py")
     assert set(SGLANG_ENV) <= wheel.strings("sglang/srt/layers/sampler.py")
+    load = wheel.fields(wheel.cls("sglang/srt/managers/load_snapshot.py", "LoadSnapshot"))
+    assert set(SGLANG_LOAD_FIELDS) <= load, set(SGLANG_LOAD_FIELDS) - load
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SGLANG)
+def test_each_surface_difference_matches_its_release(version):
+    """Every field of ``SGLangSurface`` read off the release's own source."""
+    wheel, surface = wheel_source(version), SURFACES[version]
+    engine = wheel.methods(wheel.cls(CLASSES["Engine"], "Engine"))
+    session = {m.split(".")[1] for m in SESSION_API}
+    assert surface.weight_session == (session <= set(engine)), f"{version}: weight-update session methods"
+    refusal = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+    refusal = refusal in wheel.strings(WEIGHT_UPDATER)
+    assert surface.weight_session == refusal, f"{version}: a push outside the session refused"
+    flush = wheel.function(WEIGHT_UPDATER, "flush_cache_after_weight_update")
+    asserts = any(isinstance(n, ast.Assert) for n in ast.walk(flush))
+    assert surface.flush_needs_idle == asserts, f"{version}: the scheduler asserts the flush after a push"
+    per_rank = ast.unparse(engine["_serialize_tensors_per_rank"])
+    assert surface.process_wide_config == ("get_parallel().tp_size" in per_rank), per_rank
+    assert ("self.server_args.tp_size" in per_rank) != surface.process_wide_config, per_rank
+    assert f"torch=={surface.torch}" in wheel.requires(version)
 
 
 def test_evict_hands_back_partial_requests_and_resume_continues_them():

@@ -1,8 +1,9 @@
 """``sglang.Engine`` arguments of the SGLang backend: ports per (local rank, TP) and the server
-arguments for a GPU or a CPU engine (pinned sglang 0.5.23)."""
+arguments for a GPU or a CPU engine (sglang 0.5.17 and 0.5.23 take the same ones: ``sglang_api.SGLANG_API``)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,16 @@ THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 def cpu_engine_env(tp_size: int, cpus: list[int] | None = None) -> dict[str, str]:
     """Environment a CPU engine of ``tp_size`` ranks needs while sglang spawns its schedulers.
 
-    Unless ``SGLANG_CPU_OMP_THREADS_BIND`` is set, sglang 0.5.23 gives each TP rank one NUMA node and
-    asserts ``tp_size <= NUMA nodes`` (``utils/numa_utils.py``, ``init_threads_binding``), so a TP-2
+    Unless ``SGLANG_CPU_OMP_THREADS_BIND`` is set, sglang gives each TP rank one NUMA node and asserts
+    that there are as many nodes as ranks (``utils/numa_utils.py``, ``init_threads_binding``: 0.5.17
+    line 441 ``tp_size <= n_numa_node``, 0.5.23 line 463 ``dp * tp * pp <= n_numa_node``), so a TP-2
     engine cannot start on a one-node host. For ``tp_size > 1`` this splits the CPUs the process may
     run on (``cpus``, default its affinity) into ``tp_size`` '|'-separated groups, one per rank (a
-    rank shares a CPU when there are fewer CPUs than ranks). A value the caller set is left alone.
-    With the variable set sglang does not size the KV pool from host memory, which is why CPU
-    engines always get ``max_total_tokens``.
+    rank shares a CPU when there are fewer CPUs than ranks), which both releases accept (0.5.17 line
+    458 wants exactly ``tp_size`` groups, 0.5.23 line 492 one per rank index). A value the caller
+    set is left alone. With the variable set sglang does not size the KV pool from host memory
+    (``utils/common.py``, ``get_cpu_memory_capacity``: 0.5.17 line 725, 0.5.23 line 913), which is
+    why CPU engines always get ``max_total_tokens``.
     """
     if tp_size == 1 or os.environ.get(THREADS_BIND_ENV):
         return {}
@@ -101,3 +105,24 @@ def _cpu_list(cpus: list[int]) -> str:
     if len(cpus) > 1 and cpus[-1] - cpus[0] == len(cpus) - 1:
         return f"{cpus[0]}-{cpus[-1]}"
     return ",".join(map(str, cpus))
+
+
+def free_base_port(*tps: int, local_ranks: int = 1) -> int:
+    """An ``rollout.sglang_base_port`` that the config accepts and whose engine ports for TP sizes
+    ``tps`` and node-local ranks ``0..local_ranks-1`` are free now: for runs that share a machine
+    with others (tests, acceptance checks), where the fixed default could collide."""
+    from rollpacker.configlib import ConfigError
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            RolloutConfig(backend="sglang", sglang_base_port=base).validate()
+            for port in [p for rank in range(local_ranks) for tp in tps for p in engine_ports(base, rank, tp)]:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except (ConfigError, OSError):
+            continue
+        return base
+    raise RuntimeError("no free sglang base port found in 100 tries")

@@ -1,4 +1,5 @@
-"""SGLang rollout backend: the ``RolloutEngine`` interface over ``sglang.Engine`` (pinned 0.5.23).
+"""SGLang rollout backend: the ``RolloutEngine`` interface over ``sglang.Engine`` (0.5.23, the pin, or
+0.5.17; what differs between them is ``sglang_api.SURFACES``).
 
 The first rank of each rollout TP group leads one sglang engine with ``tp_size`` = the group size
 and ``base_gpu_id`` = that rank's local GPU; sglang starts its own TP worker processes on the
@@ -13,10 +14,13 @@ leader starts it in a new session, talks to it over a Unix socket (request plane
 are calls on ``SGLangDriver`` there), and kills its process group when done. If the host or one of
 sglang's processes dies, the next call raises ``EngineDiedError`` instead of waiting.
 
-Weights are pushed inside one ``begin_weight_update()`` / ``end_weight_update()`` session: 0.5.23
-refuses ``update_weights_from_tensor`` outside it and says so only in its ``(success, message)``
-return, so every such return is checked and a refusal raises ``WeightSyncError``. Buckets travel to
-the host as CUDA IPC handles on a GPU, by value on CPU.
+Weights are pushed inside one ``begin_weight_update()`` / ``end_weight_update()`` session where the
+release has one (0.5.23 refuses ``update_weights_from_tensor`` outside it; 0.5.17 has no session and
+loads each push at once: ``SGLangSurface.weight_session``). sglang answers a push, and a session
+call, with ``(success, message)`` only, so every such return is checked and a refusal raises
+``WeightSyncError``. On 0.5.17 the last push (the one that flushes the cache) waits for an idle
+engine, since its scheduler asserts that flush (``SGLangSurface.flush_needs_idle``). Buckets travel
+to the host as CUDA IPC handles on a GPU, by value on CPU.
 
 Memory is released or resumed only on an idle engine: sglang's scheduler asserts ``is_fully_idle()``
 in ``release_memory_occupation`` and SIGQUITs its parent if it is not, and an aborted request
@@ -29,8 +33,8 @@ has come back and the scheduler's load snapshot shows nothing running or waiting
 from the load snapshot the scheduler publishes (``TokenizerManager.get_loads``), refreshed at
 every prefill, every ``load_snapshot_publish_interval`` (15) decode steps, and when it goes idle.
 
-Seeds: sglang 0.5.23 reads ``sampling_seed`` only when ``enable_deterministic_inference`` is on
-(``sampling/sampling_batch_info.py``, ``SamplingBatchInfo.from_schedule_batch``: the seed tensor
+Seeds: sglang (0.5.17 and 0.5.23) reads ``sampling_seed`` only when ``enable_deterministic_inference``
+is on (``sampling/sampling_batch_info.py``, ``SamplingBatchInfo.from_schedule_batch``: the seed tensor
 is built ``if enable_deterministic`` and is None otherwise), and ``server_args`` does not turn it
 on (with it, the flashinfer sampler asserts on any top-p/top-k request, ``layers/sampler.py``).
 So a request's seed is passed through but guarantees nothing here: the same seeded request can
@@ -69,7 +73,7 @@ import torch.distributed as dist
 import rollpacker
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RolloutEngine
-from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLangCalls
+from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLANG_PIN, check_call, surface_for
 from rollpacker.rollout.sglang_args import cpu_engine_env, server_args
 from rollpacker.rollout.sglang_host import KEY_ENV, LOG_LEVEL_ENV, SGLangDriver
 
@@ -114,8 +118,8 @@ def host_env(extra: dict[str, str]) -> dict[str, str]:
     torchrun's c10d rendezvous sets that variable to True in every worker. sglang's schedulers would
     inherit it, and their ``init_process_group("tcp://127.0.0.1:<nccl_port>")`` then only creates
     ``TCPStore`` clients (``torch/distributed/rendezvous.py``, ``_create_c10d_store``): nobody serves
-    the port, so they wait for the store until its timeout and the engine never starts. sglang 0.5.23
-    never touches the variable. The rank keeps it: its own process groups rely on it.
+    the port, so they wait for the store until its timeout and the engine never starts. Neither
+    supported sglang release touches the variable. The rank keeps it: its own process groups rely on it.
     """
     env = {k: v for k, v in os.environ.items() if k != AGENT_STORE_ENV}
     env.update(SGLANG_ENV)
@@ -150,7 +154,7 @@ class _ProcessHost:
         except BaseException:
             self.close()
             raise
-        self.kv_capacity, self.pid = info["kv_capacity"], info["pid"]
+        self.kv_capacity, self.pid, self.sglang_version = info["kv_capacity"], info["pid"], info["sglang"]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -204,12 +208,16 @@ class _ProcessHost:
 
 
 class _LocalHost:
-    """The driver in this process, over an injected double of ``sglang.Engine``: for unit tests of
-    our translation logic only (the real engine always gets a process of its own)."""
+    """The driver in this process, over an injected double of ``sglang.Engine`` that stands for
+    sglang ``version``: for unit tests of our translation logic only (the real engine always gets a
+    process of its own)."""
 
-    def __init__(self, engine: Any, cfg: RolloutConfig, engine_id: int, vocab_size: int | None):
-        self.driver = SGLangDriver(engine, cfg, engine_id, vocab_size)
-        self.kv_capacity, self.pid = self.driver.kv_capacity, os.getpid()
+    def __init__(self, engine_cls: Callable, kwargs: dict[str, Any], cfg: RolloutConfig, engine_id: int,
+                 vocab_size: int | None, version: str):
+        surface = surface_for(version)
+        check_call(surface, "Engine.__init__", kwargs)
+        self.driver = SGLangDriver(engine_cls(**kwargs), cfg, engine_id, surface, vocab_size)
+        self.kv_capacity, self.pid, self.sglang_version = self.driver.kv_capacity, os.getpid(), version
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method == "push":
@@ -223,12 +231,15 @@ class _LocalHost:
 class SGLangEngine(RolloutEngine):
     """``RolloutEngine`` over an sglang engine in its own host process; constructed on every rank of
     ``group``. ``device`` ``"cuda:N"`` pins the leader's GPU, ``"cuda"`` takes ``LOCAL_RANK``'s;
-    ``"cpu"`` runs the engine on CPU (``sglang_args.server_args``). ``engine_cls`` replaces
-    ``sglang.Engine`` by a double, run in this process (unit tests).
+    ``"cpu"`` runs the engine on CPU (``sglang_args.server_args``). ``dtype`` overrides the dtype it
+    computes in (sglang's names: "float32", "bfloat16"). ``engine_cls`` replaces ``sglang.Engine`` by
+    a double of sglang ``double_version`` (default the pin), run in this process (unit tests); the real
+    engine's release is the installed one, read by its host.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, group: dist.ProcessGroup | None = None,
-                 engine_id: int = 0, device: str = "cuda", engine_cls: Callable | None = None):
+                 engine_id: int = 0, device: str = "cuda", dtype: str | None = None,
+                 engine_cls: Callable | None = None, double_version: str = SGLANG_PIN):
         cfg.validate()
         self.cfg, self.engine_id = cfg, engine_id
         if group is None:
@@ -246,11 +257,10 @@ class SGLangEngine(RolloutEngine):
         local_rank = int(os.environ.get("LOCAL_RANK", ranks[0]))
         gpu = None if dev.type == "cpu" else dev.index if dev.index is not None else local_rank
         kwargs = server_args(model_dir, cfg, tp_size=len(ranks), local_rank=local_rank, gpu_id=gpu,
-                             engine_id=engine_id, device=dev)
-        SGLangCalls.check("Engine.__init__", kwargs)
+                             engine_id=engine_id, device=dev, dtype=dtype)
         vocab_size = _vocab_size(model_dir)
         if engine_cls is not None:
-            self._host = _LocalHost(engine_cls(**kwargs), cfg, engine_id, vocab_size)
+            self._host = _LocalHost(engine_cls, kwargs, cfg, engine_id, vocab_size, double_version)
         else:
             env = {**host_env(cpu_engine_env(len(ranks)) if dev.type == "cpu" else {}),
                    LOG_LEVEL_ENV: str(logging.getLogger().getEffectiveLevel())}
@@ -260,6 +270,11 @@ class SGLangEngine(RolloutEngine):
     def host_pid(self) -> int | None:
         """The engine host's process id on the leader (this process's for a double), else None."""
         return self._host.pid if self._host else None
+
+    @property
+    def sglang_version(self) -> str | None:
+        """The sglang release the leader's engine runs (its double's for a double), else None."""
+        return self._host.sglang_version if self._host else None
 
     # ---- interface -----------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:

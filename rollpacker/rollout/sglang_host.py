@@ -1,15 +1,18 @@
 """The engine host: one ``sglang.Engine`` in an OS process of its own, driven by ``SGLangEngine``.
 
-Why a process per engine (review items of the pinned sglang 0.5.23):
-- sglang keeps one live config per process ("a process holds at most one live config",
+Why a process per engine (review items; sglang 0.5.17 and 0.5.23 alike unless said otherwise):
+- 0.5.23 keeps one live config per process ("a process holds at most one live config",
   ``runtime_context.py``; ``Engine.__init__`` publishes its own), so a rank leading engines of
-  two TP sizes in one process serialised weights for the wrong TP size, and every ``Engine`` of
-  a process shares the main thread's event loop (L2);
+  two TP sizes in one process serialised weights for the wrong TP size
+  (``SGLangSurface.process_wide_config``), and every ``Engine`` of a process shares the main
+  thread's event loop (L2);
 - the first ``TokenizerManager`` call on a main thread installs loop handlers for SIGTERM and
-  SIGQUIT (``tokenizer_manager.py``, ``auto_create_handle_loop``) whose watchdog exits the
-  process: in the rank process that ended the run before our end-of-step checkpoint (L8);
+  SIGQUIT (``tokenizer_manager.py``, ``auto_create_handle_loop``: 0.5.17 line 2163, 0.5.23 line
+  2455) whose watchdog exits the process: in the rank process that ended the run before our
+  end-of-step checkpoint (L8);
 - ``Engine.shutdown`` kills every child of its process (``kill_process_tree(os.getpid(),
-  include_parent=False)``): in the rank process that took the reward workers with it (L9).
+  include_parent=False)``, ``entrypoints/engine.py``: 0.5.17 line 1230, 0.5.23 line 1491): in the
+  rank process that took the reward workers with it (L9).
 
 The host is started by the rank in a new session, so its process group is the host plus the
 scheduler and detokenizer processes sglang spawns; the rank kills that group, and nothing else,
@@ -22,7 +25,9 @@ Inside the host, ``SGLangDriver`` translates our ``RolloutEngine`` calls to sgla
 through ``Engine.async_generate`` on the engine's event loop, run by a background thread while
 requests are in flight; each result lands in a queue that ``poll`` drains. Control calls (memory,
 weights) are sglang's synchronous methods, which drive that same loop with
-``run_until_complete``, so the background thread is paused around them.
+``run_until_complete``, so the background thread is paused around them. What differs between
+the supported sglang releases comes from the host's ``SGLangSurface`` (``sglang_api``), read from
+the installed distribution before sglang is imported; an unsupported release ends the start.
 
 Usage (by ``SGLangEngine``, not by hand): ``python -m rollpacker.rollout.sglang_host SOCKET``
 with the connection key in ``ROLLPACKER_HOST_KEY``.
@@ -53,7 +58,8 @@ import torch
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import (FINISH_ABORT, FINISH_EVICTED, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError)
-from rollpacker.rollout.sglang_api import LOAD_TIMEOUT_S, SGLangCalls, WeightSyncError, completion, sampling_params
+from rollpacker.rollout.sglang_api import (LOAD_TIMEOUT_S, SGLangCalls, SGLangSurface, WeightSyncError, check_call,
+                                           completion, installed_surface, sampling_params)
 
 KEY_ENV = "ROLLPACKER_HOST_KEY"
 LOG_LEVEL_ENV = "ROLLPACKER_HOST_LOG_LEVEL"
@@ -100,13 +106,15 @@ class _Failure:
 
 
 class SGLangDriver:
-    """Our ``RolloutEngine`` calls on one sglang ``Engine`` (or a test double with its interface)."""
+    """Our ``RolloutEngine`` calls on one sglang ``Engine`` (or a test double with its interface) of the
+    release ``surface`` describes."""
 
-    def __init__(self, engine: Any, cfg: RolloutConfig, engine_id: int, vocab_size: int | None = None):
+    def __init__(self, engine: Any, cfg: RolloutConfig, engine_id: int, surface: SGLangSurface,
+                 vocab_size: int | None = None):
         """``vocab_size``: token ids at or above it are refused (sglang would index past its embedding)."""
         self.cfg, self.engine_id, self.vocab_size = cfg, engine_id, vocab_size
-        self.engine = engine
-        self._call = SGLangCalls(engine)
+        self.engine, self.surface = engine, surface
+        self._call = SGLangCalls(engine, surface)
         self._loop = _LoopThread(engine.loop)
         self._stats = EngineStats()
         self._active: dict[str, float] = {}  # request id -> submitted_at
@@ -220,16 +228,22 @@ class SGLangDriver:
 
     # ---- control plane -------------------------------------------------------------------------
     def begin_weights(self) -> None:
+        """Open the release's weight-update session, if it has one (``SGLangSurface.weight_session``)."""
         self._loop.pause()
-        self._checked("Engine.begin_weight_update", "opening the weight-update session")
+        if self.surface.weight_session:
+            self._checked("Engine.begin_weight_update", "opening the weight-update session")
 
     def push(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
+        if flush_cache and self.surface.flush_needs_idle:  # the scheduler would assert the flush
+            self.wait_idle()
+            self._loop.pause()
         self._checked("Engine.update_weights_from_tensor", f"tensors {[name for name, _ in bucket]}",
                       named_tensors=bucket, load_format=None, flush_cache=flush_cache)
 
     def end_weights(self) -> None:
         try:
-            self._checked("Engine.end_weight_update", "closing the weight-update session")
+            if self.surface.weight_session:
+                self._checked("Engine.end_weight_update", "closing the weight-update session")
         finally:
             self._resume_loop()
 
@@ -237,8 +251,9 @@ class SGLangDriver:
         """After a failed push: close the session, since one left open makes the next
         ``begin_weight_update`` fail ("a weight-update session is already open"). The push's error
         is the one to report, so a failure to close is not raised over it."""
-        with contextlib.suppress(Exception):
-            self._call("Engine.end_weight_update")
+        if self.surface.weight_session:
+            with contextlib.suppress(Exception):
+                self._call("Engine.end_weight_update")
         self._resume_loop()
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
@@ -460,15 +475,18 @@ def main(argv: list[str] | None = None) -> int:
         conn = listener.accept()
     spec = conn.recv()
     try:
+        surface = installed_surface()  # refuses an unsupported release before sglang is imported
+        check_call(surface, "Engine.__init__", spec["kwargs"])
         import sglang
-        driver = SGLangDriver(sglang.Engine(**spec["kwargs"]), spec["cfg"], spec["engine_id"], spec["vocab_size"])
+        driver = SGLangDriver(sglang.Engine(**spec["kwargs"]), spec["cfg"], spec["engine_id"], surface,
+                              spec["vocab_size"])
     except Exception as exc:
         conn.send(("error", RuntimeError(f"the sglang engine did not start: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")))
         return 1
     _keep_sigterm_ignored(driver.engine.loop)
     threading.Thread(target=_watch, args=(_children(os.getpid()),), name="sglang-watch", daemon=True).start()
-    conn.send(("ok", {"kv_capacity": driver.kv_capacity, "pid": os.getpid()}))
+    conn.send(("ok", {"kv_capacity": driver.kv_capacity, "pid": os.getpid(), "sglang": surface.version}))
     serve(conn, driver)
     return 0
 
