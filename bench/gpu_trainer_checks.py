@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_ext.parallel import ParallelLayout
+from megatron_ext.sdpa_attention import packed_attention_paths, uses_sdpa_attention
 from rollpacker.hf_spec import parse_spec
 from rollpacker.sample import Prompt, Sample
 from rollpacker.trainer.backend import logprobs_only, micro_batch_loss
@@ -33,6 +34,13 @@ from rollpacker.trainer.trainer import Trainer
 
 # H100/H200 SXM dense bf16 peak (NVIDIA's datasheet), for MFU.
 PEAK_BF16_FLOPS = 989.4e12
+
+# Qwen2.5-7B's published config.json widths with 4 of its 28 layers (random weights: nothing is downloaded):
+# the trainer's MFU at a real model's matmul sizes on one GPU (about 2.0B parameters, 1.1B of them the
+# untied embedding and output layer). Goal on an H100: >= 35% MFU at 8,192-token micro-batches.
+QWEN25_7B_WIDTHS_4L = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=4,
+                           num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                           rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 @dataclass
@@ -284,12 +292,18 @@ def _max_tensor_diff(a: Any, b: Any, path: str = "") -> tuple[float, str]:
     return max((_max_tensor_diff(x, y, p) for x, y, p in pairs), default=(0.0, path), key=lambda t: t[0])
 
 
-def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batches: int) -> dict[str, Any]:
-    """Trainer tokens/s and MFU: forward+backward of packed micro-batches of long-tailed sequences."""
+def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batches: int, *,
+                     min_mfu: float | None = None, **trainer_changes: Any) -> dict[str, Any]:
+    """Trainer tokens/s and MFU: forward+backward of packed micro-batches of long-tailed sequences.
+
+    ``trainer_changes``: TrainerConfig fields for this run (e.g. ``packed_attention="per_sequence"``,
+    ``fused_swiglu=True``). ``min_mfu``: on CUDA the verdict also asks for at least this MFU.
+    Reports which packed attention path the layers took (``attention_paths``: path -> layers).
+    """
     spec = parse_spec(subject.model_dir)
     rng = random.Random(5)
-    trainer = Trainer(trainer_config(subject, micro_batch_tokens=tokens_per_micro_batch), subject.model_dir,
-                      subject.layout)
+    trainer = Trainer(trainer_config(subject, micro_batch_tokens=tokens_per_micro_batch, **trainer_changes),
+                      subject.model_dir, subject.layout)
     backend = trainer.backend
     samples, used = [], 0
     while used < tokens_per_micro_batch:
@@ -318,15 +332,46 @@ def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batche
     seconds = (time.perf_counter() - t0) / micro_batches
     lengths = [len(s.prompt.input_ids) + len(s.response_ids) for s in samples]
     flops = training_flops(subject.model_dir, lengths)
+    mfu = flops / seconds / PEAK_BF16_FLOPS if subject.cuda else None
     result = {"tokens_per_micro_batch": mb.num_tokens, "sequences": len(samples), "seconds_per_micro_batch": seconds,
-              "tokens_per_s": mb.num_tokens / seconds, "model_tflops_per_micro_batch": flops / 1e12,
-              "mfu": flops / seconds / PEAK_BF16_FLOPS if subject.cuda else None}
+              "tokens_per_s": mb.num_tokens / seconds, "model_tflops_per_micro_batch": flops / 1e12, "mfu": mfu,
+              "layers": spec.num_layers, "hidden_size": spec.hidden_size,
+              "packed_attention": trainer.cfg.packed_attention, "fused_swiglu": trainer.cfg.fused_swiglu,
+              "transformer_engine": not uses_sdpa_attention(backend.model),
+              # path -> layers that took it in the last micro-batch; {} where nothing was packed (the CPU
+              # backend's padded rows) or Transformer Engine's attention ran
+              "attention_paths": packed_attention_paths(backend.model), "torch": torch.__version__}
     if subject.cuda:
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(subject.device)
         result.update(_predicted_peak(spec, mb.num_tokens, subject.dtype))
     del trainer
-    result["ok"] = seconds > 0
+    result["ok"] = seconds > 0 and (min_mfu is None or mfu is None or mfu >= min_mfu)
+    if min_mfu is not None:
+        result["min_mfu"] = min_mfu
     return result
+
+
+def random_model_subject(work: Path, name: str, shape: dict[str, Any], device: torch.device, layout: ParallelLayout,
+                         *, lr: float = 2e-5, seed: int = 11) -> Subject:
+    """A subject over a random Qwen2 checkpoint of ``shape`` (HF config keys) in ``work/name``, written
+    once (Qwen2.5-7B widths with 4 layers: about 8 GB of fp32 safetensors); bf16 on CUDA, fp32 on CPU."""
+    from rollpacker.testing import make_random_qwen2
+
+    model_dir = work / name
+    if not (model_dir / "config.json").exists() or not any(model_dir.glob("*.safetensors")):
+        make_random_qwen2(model_dir, seed=seed, **shape)
+    return Subject(name, model_dir, device, layout, "bf16" if device.type == "cuda" else "fp32", lr)
+
+
+def check_throughput_7b_widths(work: Path, device: torch.device, layout: ParallelLayout, *,
+                               tokens_per_micro_batch: int = 8192, micro_batches: int = 5,
+                               shape: dict[str, Any] = QWEN25_7B_WIDTHS_4L, name: str = "qwen2.5-7b-widths-4l",
+                               min_mfu: float | None = None, **trainer_changes: Any) -> dict[str, Any]:
+    """:func:`check_throughput` on a random model of Qwen2.5-7B's widths with 4 layers, 8,192-token packed
+    micro-batches by default (``shape``/``name``: a small model for a CPU dry run)."""
+    subject = random_model_subject(work, name, shape, device, layout)
+    result = check_throughput(subject, tokens_per_micro_batch, micro_batches, min_mfu=min_mfu, **trainer_changes)
+    return {"shape": name, **result}
 
 
 def training_flops(model_dir: Path, lengths: list[int]) -> float:

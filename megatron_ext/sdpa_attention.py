@@ -11,8 +11,10 @@ wherever Transformer Engine is not installed.
 
 That includes CUDA machines without Transformer Engine, where the GPU backend
 feeds packed (THD) micro-batches: Megatron's own ``DotProductAttention``
-asserts ``packed_seq_params is None``, so the varlen case is computed here as
-one causal SDPA call per packed sequence. (Context parallelism still needs
+asserts ``packed_seq_params is None``, so the varlen case is computed here by
+:mod:`megatron_ext.packed_attention`: on CUDA in bf16/fp16 one FlashAttention
+varlen call per micro-batch (``trainer.packed_attention: auto``), elsewhere one
+causal SDPA call per packed sequence. (Context parallelism still needs
 Transformer Engine; Megatron's parent class refuses ``context_parallel_size > 1``.)
 """
 from __future__ import annotations
@@ -20,16 +22,22 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
-import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor, nn
 
+from megatron_ext.packed_attention import PACKED_ATTENTION_MODES, packed_causal_attention, resolve_path
+
 
 class SDPADotProductAttention(DotProductAttention):
     """Causal (or explicitly masked) attention; same inputs and output layout as the parent."""
+
+    # How packed (THD) input is computed (a PACKED_ATTENTION_MODES value; set_packed_attention sets it
+    # per model) and the path its last packed call took.
+    packed_attention = "auto"
+    packed_path: Optional[str] = None
 
     def __init__(self, config, *args, **kwargs) -> None:
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
@@ -71,24 +79,42 @@ class SDPADotProductAttention(DotProductAttention):
         if params.qkv_format != "thd" or query.dim() != 3:
             raise ValueError(f"packed sequences must be THD [tokens, heads, dim], got format "
                              f"{params.qkv_format!r} and a query of shape {tuple(query.shape)}")
-        query, key, value = (t.unsqueeze(1) for t in (query, key, value))
         if mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"packed SDPA attention is causal only, got {mask_type}")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         # The GPU backend keeps cu_seqlens on the host for this module (GpuBackend._seqlens_device), so
-        # reading them here is no device sync.
-        lengths = cu.diff().tolist()
-        if sum(lengths) != query.size(0):
-            raise ValueError(f"cu_seqlens ends at {sum(lengths)} but the packed row holds {query.size(0)} tokens")
-        # torch.split, not one slice per sequence: the backward of a slice zero-fills a tensor of the
-        # whole row and copies into it (sequences x tokens of traffic); split's backward is one cat.
-        pieces = zip(*(torch.split(t, lengths) for t in (query, key, value)))
-        return torch.cat([self._sdpa(q, k, v, None, causal=True) for q, k, v in pieces if q.size(0)])
+        # reading the spans is no device sync; the varlen kernel gets one device copy per micro-batch.
+        dropout = self.attention_dropout.p if self.training else 0.0
+        path = resolve_path(self.packed_attention, query, dropout_p=dropout)
+        self.packed_path = path
+        context = packed_causal_attention(query, key, value, cu, path=path, scale=self.softmax_scale,
+                                          dropout_p=dropout)
+        return context.reshape(context.size(0), 1, self.hidden_size_per_partition)
 
 
 def uses_sdpa_attention(model: nn.Module) -> bool:
     """Whether ``model``'s core attention is this module's (the layer spec without Transformer Engine)."""
     return any(isinstance(m, SDPADotProductAttention) for m in model.modules())
+
+
+def set_packed_attention(model: nn.Module, mode: str) -> int:
+    """Compute ``model``'s packed (THD) attention by ``mode`` (``trainer.packed_attention``); returns the
+    number of attention modules set (0 where Transformer Engine's attention is used instead)."""
+    if mode not in PACKED_ATTENTION_MODES:
+        raise ValueError(f"packed attention must be one of {PACKED_ATTENTION_MODES}, got {mode!r}")
+    modules = [m for m in model.modules() if isinstance(m, SDPADotProductAttention)]
+    for m in modules:
+        m.packed_attention = mode
+    return len(modules)
+
+
+def packed_attention_paths(model: nn.Module) -> dict[str, int]:
+    """How many attention modules took each path in their last packed call (empty before any)."""
+    paths: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, SDPADotProductAttention) and m.packed_path is not None:
+            paths[m.packed_path] = paths.get(m.packed_path, 0) + 1
+    return paths
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.sdpa_attention import uses_sdpa_attention
+from megatron_ext.sdpa_attention import set_packed_attention, uses_sdpa_attention
 from rollpacker.trainer.backend import Backend, LossFn, StepResult, state_tensors
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import TOKEN_FIELDS, MicroBatch
@@ -113,6 +113,10 @@ class GpuBackend(Backend):
         config = model.config
         config.calculate_per_token_loss = True
         config.variable_seq_lengths = True
+        # Megatron's MLP reads this flag at every forward: its torch.compile'd SwiGLU (one kernel each way)
+        # instead of silu and a multiply. Qwen's MLP is the bias-free gated SiLU that fusion takes.
+        config.bias_activation_fusion = cfg.fused_swiglu
+        set_packed_attention(model, cfg.packed_attention)
         self.ddp = DistributedDataParallel(
             config=config, module=model, pg_collection=layout.pg_collection,
             ddp_config=DistributedDataParallelConfig(
@@ -133,8 +137,9 @@ class GpuBackend(Backend):
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = None
         self._forward_backward_func = get_forward_backward_func(pp_size=layout.pp, vp_size=None)
-        # Without Transformer Engine every reader of cu_seqlens wants them on the host: the SDPA core
-        # attention, and Megatron's unfused THD RoPE, which calls .tolist() on them for the query and
+        # Without Transformer Engine every reader of cu_seqlens wants them on the host: the packed core
+        # attention (which reads the spans there and makes the varlen kernel's one device copy per
+        # micro-batch), and Megatron's unfused THD RoPE, which calls .tolist() on them for the query and
         # the key of every layer (48 device syncs per forward of a 24-layer model, seen in an H100
         # profile). TE's fused kernels read them on the device.
         self._seqlens_device = torch.device("cpu") if uses_sdpa_attention(model) else None

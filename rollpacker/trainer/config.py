@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from rollpacker.configlib import ConfigError
+
+# How the GPU backend computes packed (THD) attention without Transformer Engine; the paths are
+# described in megatron_ext/packed_attention.py, which takes its modes from here.
+PackedAttention = Literal["auto", "varlen", "flex", "per_sequence"]
+PACKED_ATTENTION_MODES: tuple[str, ...] = get_args(PackedAttention)
 
 
 @dataclass
@@ -33,6 +38,14 @@ class TrainerConfig:
     stream_trigger_low: float = 0.2  # fraction of requests done before the hand-off may fire
     stream_trigger_high: float = 0.5
     old_logprobs: Literal["recompute", "engine"] = "recompute"
+    # Packed (THD) attention of the GPU backend without Transformer Engine
+    # (megatron_ext/packed_attention.py): "auto" is one FlashAttention varlen call per micro-batch
+    # where torch has it (CUDA, bf16/fp16) and one SDPA call per sequence elsewhere; "varlen",
+    # "flex" (FlexAttention with a document mask, compiled) and "per_sequence" force a path.
+    packed_attention: PackedAttention = "auto"
+    # GPU backend: Megatron's fused SwiGLU (bias_activation_fusion, torch.compile'd: needs triton
+    # and a C compiler on the node) instead of separate silu and multiply kernels.
+    fused_swiglu: bool = False
 
     def validate(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -55,3 +68,6 @@ class TrainerConfig:
             raise ConfigError("adam_beta1 and adam_beta2 must be in [0, 1)")
         if not 0 < self.stream_trigger_low <= self.stream_trigger_high < 1:
             raise ConfigError("need 0 < stream_trigger_low <= stream_trigger_high < 1")
+        if self.packed_attention not in PACKED_ATTENTION_MODES:
+            raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION_MODES)}, "
+                              f"got {self.packed_attention!r}")
