@@ -19,8 +19,17 @@ CPU). Checks, each recorded with its figures and verdict even when another fails
 * rollout: the reference engine's greedy parity on the device, its tokens/s at batch 1-256 on the
   0.5B shape, trainer -> engine weight-sync seconds, and the SGLang backend's weight push into an
   engine host process (CUDA IPC) arriving bit for bit;
-* the program end to end on one rank (the shipped policy and example): baseline and tail batching
-  back to back, seconds per step and their ratio.
+* SGLang (``bench/gpu_sglang_checks.py``), through our backend and server arguments: the KV pool
+  against the memory plan, greedy parity with transformers, a weight push from the trainer and
+  parity after it, release/resume with the bytes freed, and decode tokens/s at batch 1-256 beside
+  the reference engine in the same process;
+* the program end to end on one rank (the shipped policy and example), on the reference engine and
+  on SGLang (trainer and engine sharing the device): baseline and tail batching back to back,
+  seconds per step, their ratio, and each step's weight-sync check.
+
+The SGLang checks need sglang importable by this interpreter: on the GPU machine the 0.5.17 bundle
+(``python -m bench.sglang_bundle``), on CPU the test suite's venv (``tests/sglang_cpu/env.py``,
+``SGLANG_USE_CPU_ENGINE=1``); without it they fail and say so.
 
 Writes ``OUT/acceptance.json`` (every figure) and ``OUT/acceptance.md`` (the summary), rewritten
 after each check so that a run cut short keeps what it measured.
@@ -41,7 +50,9 @@ from typing import Any, Callable
 
 import torch
 
+from bench import gpu_attention_checks as attention
 from bench import gpu_rollout_checks as rollout
+from bench import gpu_sglang_checks as sglang
 from bench import gpu_trainer_checks as trainer
 from bench.gpu_trainer_checks import Subject, write_json
 
@@ -68,10 +79,16 @@ class Sizes:
     engine_new_tokens: int
     program_steps: int
     program_timeout_s: int
+    widths: dict  # the MFU check's model: Qwen2.5-7B's widths with 4 layers on a GPU
+    widths_name: str
 
 
-GPU = Sizes(QWEN25_05B, "qwen2.5-0.5b-shape", 2e-5, 6, 8192, 5, (1, 8, 32, 64, 128, 256), 128, 10, 480)
-CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400)
+GPU = Sizes(QWEN25_05B, "qwen2.5-0.5b-shape", 2e-5, 6, 8192, 5, (1, 8, 32, 64, 128, 256), 128, 10, 480,
+            trainer.QWEN25_7B_WIDTHS_4L, "qwen2.5-7b-widths-4l")
+CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400, TINY, "tiny-widths")
+# The trainer's MFU goals on an H100 (issue: one-call packed attention, fused pointwise work); recorded
+# beside the figure, not part of the verdict, which says whether the trainer runs correctly.
+MFU_GOALS = {"qwen2.5-0.5b-shape": 0.20, "qwen2.5-7b-widths-4l": 0.35}
 
 
 class Report:
@@ -141,9 +158,10 @@ def markdown(results: dict[str, Any]) -> str:
             if isinstance(value, dict):
                 lines.append(f"\n**{name} / {key}**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()
                                                                  if not isinstance(v, (dict, list))))
-        if "rows" in r:
-            lines += ["", f"**{name}**", "", "| batch | tokens/s | seconds |", "|---|---|---|"]
-            lines += [f"| {row['batch']} | {row['tokens_per_s']:.0f} | {row['seconds']:.2f} |" for row in r["rows"]]
+        if r.get("rows"):
+            columns = list(r["rows"][0])
+            lines += ["", f"**{name}**", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+            lines += ["| " + " | ".join(_fmt(row[c]) for c in columns) + " |" for row in r["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -170,28 +188,48 @@ def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict
                        f"{s.name}/gradient_parity": lambda s=s: trainer.check_gradient_parity(s, work),
                        f"{s.name}/loss_falls": lambda s=s: trainer.check_loss_falls(s, sizes.loss_steps),
                        f"{s.name}/offload_and_optimizer_state": lambda s=s: trainer.check_offload_and_state(s),
-                       f"{s.name}/engine_greedy_parity": lambda s=s: rollout.check_greedy_parity(s)})
+                       f"{s.name}/engine_greedy_parity": lambda s=s: rollout.check_greedy_parity(s),
+                       f"{s.name}/sglang_engine": lambda s=s: sglang.check_engine(s)})
     big = subjects[1]
     checks.update({
-        f"{big.name}/trainer_throughput": lambda: trainer.check_throughput(
-            big, sizes.throughput_tokens, sizes.throughput_micro_batches),
+        f"{big.name}/trainer_throughput": lambda: _with_goal(big.name, trainer.check_throughput(
+            big, sizes.throughput_tokens, sizes.throughput_micro_batches)),
+        f"{sizes.widths_name}/trainer_throughput": lambda: _with_goal(
+            sizes.widths_name, trainer.check_throughput_7b_widths(
+                work, device, layout, tokens_per_micro_batch=sizes.throughput_tokens,
+                micro_batches=sizes.throughput_micro_batches, shape=sizes.widths, name=sizes.widths_name)),
+        "attention/packed_kernels": lambda: attention.check_packed_kernels(device),
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
         f"{big.name}/host_weight_transport": lambda: rollout.check_host_weight_transport(big),
+        f"{big.name}/sglang_throughput": lambda: sglang.check_throughput(
+            big, list(sizes.engine_batches), sizes.engine_new_tokens),
         "program/baseline_vs_tail_batching": lambda: rollout.check_program(
-            device, work, sizes.program_steps, sizes.program_timeout_s)})
+            device, work, sizes.program_steps, sizes.program_timeout_s),
+        "program/sglang_baseline_vs_tail_batching": lambda: rollout.check_program(
+            device, work, sizes.program_steps, sizes.program_timeout_s, backend="sglang")})
     return checks
 
 
 def check_names(device: torch.device) -> list[str]:
     sizes = GPU if device.type == "cuda" else CPU
     per_subject = ["logprob_parity", "gradient_parity", "loss_falls", "offload_and_optimizer_state",
-                   "engine_greedy_parity"]
+                   "engine_greedy_parity", "sglang_engine"]
     return ([f"{name}/{c}" for name in ("policy", sizes.shape_name) for c in per_subject]
             + [f"{sizes.shape_name}/{c}" for c in ("trainer_throughput", "engine_throughput", "weight_sync",
-                                                   "host_weight_transport")]
-            + ["program/baseline_vs_tail_batching"])
+                                                   "host_weight_transport", "sglang_throughput")]
+            + [f"{sizes.widths_name}/trainer_throughput"]
+            # the one-call kernels have no CPU backward (tests/test_packed_attention.py covers the rest)
+            + (["attention/packed_kernels"] if device.type == "cuda" else [])
+            + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching"])
+
+
+def _with_goal(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    goal = MFU_GOALS.get(name)
+    if goal is not None and result.get("mfu") is not None:
+        result.update(mfu_goal=goal, mfu_goal_met=result["mfu"] >= goal)
+    return result
 
 
 def run_one(device: torch.device, work: Path, name: str, result_file: Path) -> None:

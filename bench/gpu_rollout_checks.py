@@ -16,31 +16,36 @@ import torch
 from bench.gpu_trainer_checks import Subject, trainer_config
 from rollpacker.hf_spec import parse_spec
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+from rollpacker.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
+from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _drain(engine: ReferenceEngine) -> dict[str, list[int]]:
+def drain(engine: RolloutEngine) -> dict[str, list[int]]:
+    """Output tokens by request id of everything in flight, once all of it has finished."""
     out = {}
     while engine.active_request_ids():
         out.update((c.request_id, c.output_ids) for c in engine.poll(None))
     return out
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, device: torch.device) -> list[list[int]]:
+def hf_model(model_dir: Path, device: torch.device):
+    """transformers' model of ``model_dir`` in fp32 on ``device``: the reference implementation."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p], device=device)
+            ids = torch.tensor([p], device=model.device)
             for _ in range(new_tokens):  # no EOS stop: the engine is asked for exactly new_tokens
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             outs.append(ids[0, len(p):].tolist())
-    del model
     return outs
 
 
@@ -53,9 +58,9 @@ def check_greedy_parity(subject: Subject, prompts: int = 8, new_tokens: int = 32
                              dtype=torch.float32)
     engine.submit([GenerationRequest(f"g{i}", p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
                    for i, p in enumerate(batch)])
-    got = _drain(engine)
+    got = drain(engine)
     engine.shutdown()
-    expected = _hf_greedy(subject.model_dir, batch, new_tokens, subject.device)
+    expected = hf_greedy(hf_model(subject.model_dir, subject.device), batch, new_tokens)
     equal = sum(a == b for i, b in enumerate(expected) for a, b in zip(got[f"g{i}"], b))
     first_diff = [next((k for k, (a, b) in enumerate(zip(got[f"g{i}"], e)) if a != b), None)
                   for i, e in enumerate(expected)]
@@ -78,7 +83,7 @@ def check_engine_throughput(subject: Subject, batches: list[int], new_tokens: in
                                   SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i)) for i in range(b)]
         t0 = time.perf_counter()
         engine.submit(reqs)
-        out = _drain(engine)
+        out = drain(engine)
         seconds = time.perf_counter() - t0
         rows.append({"batch": b, "new_tokens": sum(len(v) for v in out.values()), "seconds": seconds,
                      "tokens_per_s": sum(len(v) for v in out.values()) / seconds})
@@ -159,18 +164,31 @@ def check_weight_sync(subject: Subject) -> dict[str, Any]:
             "ok": diff == 0.0}
 
 
-def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int) -> dict[str, Any]:
-    """The real program (torchrun, one rank, the shipped policy and example): the synchronous baseline
-    and tail batching run back to back on the same machine; seconds per step and their ratio."""
+# The sync check of each step, by backend: the reference engine reads its weights back (run.verify_sync,
+# exact); sglang cannot, so the trainer's log-probs of the engine's samples must agree with the
+# engine's own (train/logprob_mismatch, a mean over tokens). fp32 on CPU agrees to ~1e-7 (README);
+# on a GPU the engine's kernels and TF32 differ from the trainer's, hence the wider bound there.
+LOGPROB_MISMATCH_BOUND = {"cpu": 1e-4, "cuda": 1e-2}
+
+
+def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
+                  backend: str = "reference") -> dict[str, Any]:
+    """The real program (torchrun, one rank, the shipped policy and example) on rollout ``backend``: the
+    synchronous baseline and tail batching back to back on the same machine, the trainer and the
+    engine sharing the device (offload/onload each step); seconds per step, their ratio, and each
+    step's weight-sync check."""
     modes = {}
     for mode in ("baseline", "tail_batching"):
-        run_dir = out_dir / "program"
+        run_dir = out_dir / f"program-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml", f"scheduler.mode={mode}",
                f"run.steps={steps}", f"run.output_dir={run_dir}", f"run.name={mode}", "run.wandb=disabled",
-               f"run.save_every={steps}", "reward.num_workers=2",
+               f"run.save_every={steps}", "reward.num_workers=2", f"rollout.backend={backend}",
+               # the subject is training's seconds per step: no held-out evaluation between steps
+               "run.eval.every=0", "run.eval.before_train=false",
                # one rank: every round at rollout TP 1
                "scheduler.planner.long_tp=1", "scheduler.planner.max_tp=1"]
+        cmd += ([f"rollout.sglang_base_port={free_base_port(1)}"] if backend == "sglang" else ["run.verify_sync=true"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -180,14 +198,20 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int)
             raise RuntimeError(f"{mode}: exit {proc.returncode}\n" + "\n".join(errors[-60:]))
         metrics = [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
         step_s = [m["time/step_s"] for m in metrics]
+        sync = ([m["sync/max_abs_diff"] for m in metrics] if backend == "reference"
+                else [m["train/logprob_mismatch"] for m in metrics])
         modes[mode] = {"wall_s": wall, "steps": len(metrics), "step_s": step_s, "sum_step_s": sum(step_s),
                        "rounds": [m["round"] for m in metrics], "rollout_tp": [m["rollout_tp"] for m in metrics],
                        "reward_mean": [m["reward_mean"] for m in metrics],
                        "rollout_s": [m["rollout_s"] for m in metrics],
-                       "train_s": [m.get("time/train_s") for m in metrics]}
+                       "train_s": [m.get("time/train_s") for m in metrics],
+                       "sync_check": sync, "sync_bytes": [m["sync/bytes"] for m in metrics],
+                       "sync_ok": all(v == 0.0 for v in sync) if backend == "reference"
+                       else all(v < LOGPROB_MISMATCH_BOUND[device.type] for v in sync)}
     ratio = modes["baseline"]["sum_step_s"] / modes["tail_batching"]["sum_step_s"]
     # step 1 carries each process's one-off costs (CUDA context, kernel loading, allocator growth)
     warm = sum(modes["baseline"]["step_s"][1:]) / max(sum(modes["tail_batching"]["step_s"][1:]), 1e-9)
-    return {"device": str(device), "modes": modes, "speedup_tail_batching_over_baseline": ratio,
+    print(f"[program/{backend}] tail batching over the baseline: {ratio:.2f}x ({warm:.2f}x after step 1)", flush=True)
+    return {"device": str(device), "backend": backend, "modes": modes, "speedup_tail_batching_over_baseline": ratio,
             "speedup_after_step_1": warm,
-            "ok": all(m["steps"] == steps for m in modes.values())}
+            "ok": all(m["steps"] == steps and m["sync_ok"] for m in modes.values())}

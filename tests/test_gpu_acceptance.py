@@ -1,28 +1,52 @@
 """The GPU acceptance run's CPU dry run: every check of bench/gpu_acceptance.py on tiny shapes.
 
-On CPU the backend under test is the CPU one, so this proves the script and everything up to the
-backend keep working between the (rare) GPU sessions; the GPU verdicts are in docs/gpu/.
+On CPU the trainer under test is the CPU backend, so those checks prove the script and everything up
+to the backend keep working between the (rare) GPU sessions; the GPU verdicts are in docs/gpu/. The
+SGLang checks are real here: the run uses the suite's sglang venv (``tests/sglang_cpu/env.py``), so
+the real ``sglang.Engine`` runs on CPU behind our backend, against transformers and the memory plan.
 """
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
-from rollpacker.testing import REPO_ROOT
+import pytest
+
+from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
 
+@pytest.mark.timeout(1600)  # over pytest.ini's 900 s: its own subprocess limit is 1500 s
 def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_acceptance", "--device", "cpu", "--out", str(tmp_path)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(sglang_python()), "-m", "bench.gpu_acceptance", "--device", "cpu",
+                           "--out", str(tmp_path)], cwd=REPO, env=engine_env(), capture_output=True, text=True,
+                          timeout=1500)
+    print(proc.stdout[-4000:])
     results = json.loads((tmp_path / "acceptance.json").read_text())
-    failed = {k: v.get("error") for k, v in results["checks"].items() if not v["ok"]}
+    failed = {k: v.get("error") or v for k, v in results["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:])
-    assert len(results["checks"]) == 15
     checks = results["checks"]
+    assert len(checks) == 20, sorted(checks)
     assert checks["policy/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     assert checks["policy/gradient_parity"]["fp32"]["rel_l2_err"] < 1e-6  # CPU against itself: identical
     assert checks["policy/engine_greedy_parity"]["equal_tokens"] == checks["policy/engine_greedy_parity"]["tokens"]
-    program = checks["program/baseline_vs_tail_batching"]
-    assert program["modes"]["tail_batching"]["steps"] == program["modes"]["baseline"]["steps"] == 2
-    assert "| policy/gradient_parity | ok |" in (tmp_path / "acceptance.md").read_text()
+    for subject in ("policy", "tiny-random"):
+        engine = checks[f"{subject}/sglang_engine"]
+        assert engine["dtype"] == "float32"
+        assert engine["kv"]["engine_tokens"] == engine["kv"]["planned_tokens"] == 8192
+        assert engine["greedy"]["equal_tokens"] == engine["greedy"]["tokens"] == 8 * 32
+        assert engine["push"]["changes_output"] and engine["push"]["equal_tokens"] == 8 * 32
+        assert engine["release"]["output_unchanged"]
+    rows = checks["tiny-random/sglang_throughput"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["tokens_per_s"] > 0 and r["reference_tokens_per_s"] > 0 for r in rows)
+    for backend in ("baseline_vs_tail_batching", "sglang_baseline_vs_tail_batching"):
+        program = checks[f"program/{backend}"]
+        assert program["modes"]["tail_batching"]["steps"] == program["modes"]["baseline"]["steps"] == 2
+        for mode in program["modes"].values():
+            assert all(b > 0 for b in mode["sync_bytes"]) and mode["sync_ok"], mode
+    sglang_sync = [v for m in checks["program/sglang_baseline_vs_tail_batching"]["modes"].values()
+                   for v in m["sync_check"]]
+    print("sglang program: train/logprob_mismatch per step", sglang_sync)
+    assert max(sglang_sync) < 1e-4
+    report = (tmp_path / "acceptance.md").read_text()
+    assert "| policy/gradient_parity | ok |" in report and "| policy/sglang_engine | ok |" in report

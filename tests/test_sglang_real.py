@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rollpacker.rollout.sglang_args import free_base_port
 from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
 CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "host_checks.py"
@@ -138,30 +139,6 @@ def transformers_greedy(rows, new_tokens: int) -> list[list[int]]:
     return outs
 
 
-def free_base_port(*tps: int, local_ranks: int = 1) -> int:
-    """An ``sglang_base_port`` the config accepts whose engine ports of TP sizes ``tps`` for local ranks
-    ``0..local_ranks-1`` are free (concurrent runs on one machine must not collide on the default)."""
-    import socket
-
-    from rollpacker.configlib import ConfigError
-    from rollpacker.rollout.config import RolloutConfig
-    from rollpacker.rollout.sglang_args import engine_ports
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            RolloutConfig(backend="sglang", sglang_base_port=base).validate()
-            for port in [p for rank in range(local_ranks) for tp in tps for p in engine_ports(base, rank, tp)]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except (ConfigError, OSError):
-            continue
-        return base
-    raise RuntimeError("no free sglang base port")
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_python, generate_reference, tmp_path,
                                                                 tp):
@@ -210,7 +187,7 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
     def command(base_port: int) -> list[str]:
         return [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "-m", "rollpacker.train", *PROGRAM_ARGS, f"run.output_dir={out}", "run.name=sglang",
-                f"rollout.sglang_base_port={base_port}"]
+                f"rollout.sglang_base_port={base_port}", "run.eval.every=0", "run.eval.before_train=false"]
 
     first = subprocess.Popen(command(free_base_port(1, 2, local_ranks=2)), env=engine_env(), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -249,16 +226,29 @@ def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(s
     requests continue on rank 0's engine from their tokens so far (sglang continues them by prefill;
     the continuation is a fresh sample, see sglang_backend), rank 1 trains the groups handed to it,
     and the log-probs the trainer computes for every step's samples, migrated ones included, agree
-    with the engine's."""
+    with the engine's. Validation runs on the same engines: after step 4 (in step 5's round, after its
+    weight sync) and after the last step (its own sync), sharded over both engines, greedy and 4
+    samples at temperature 1 on 2 eval prompts."""
     out = tmp_path / "runs"
     args = [a for a in PROGRAM_ARGS if a != "scheduler.planner.profile=[]"] + ["scheduler.planner.enabled=false",
                                                                               "rollout.tp=1"]
+    args += ["run.eval.every=4", "run.eval.before_train=false", "run.eval.max_prompts=2"]
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "rollpacker.train", *args, "run.save_every=0", f"run.output_dir={out}", "run.name=stream",
            f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}"]
     proc = run_in_venv(cmd, "rollpacker.train on sglang (stream)", PROGRAM_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-8000:]
-    rows = [json.loads(line) for line in (out / "stream" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (out / "stream" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if "round" in r]
+    evals = [r for r in lines if "eval/seconds" in r]
+    print("eval lines:", [{k: v for k, v in e.items() if "/file/" not in k and "/source/" not in k} for e in evals])
+    assert [e["step"] for e in evals] == [4, PROGRAM_STEPS]
+    for e in evals:
+        assert e["eval/engines"] == 2 and e["eval/greedy/samples"] == 2 and e["eval/t1/samples"] == 8
+        assert 0 <= e["eval/greedy/pass@1"] <= 1 and 0 <= e["eval/t1/pass@1"] <= e["eval/t1/pass@4"] <= 1
+        assert 0 < e["eval/t1/response_len_mean"] <= e["eval/t1/response_len_max"] <= 384
+        assert e["eval/greedy/file/eval/pass@1"] == e["eval/greedy/source/stepchain/pass@1"] == e["eval/greedy/pass@1"]
+    assert rows[-1]["time/eval_s"] > 0  # the eval of step 4 ran inside step 5, on its timeline
     assert [r["step"] for r in rows] == list(range(1, PROGRAM_STEPS + 1))
     (long,) = [r for r in rows if r["round"] == "long"]
     assert {r["rollout_tp"] for r in rows} == {1}
