@@ -84,7 +84,8 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, rep.Mode, int]]:
 
 def program_args(args: argparse.Namespace, name: str, mode: rep.Mode, seed: int, steps: int) -> list[str]:
     common = [f"run.name={name}", f"run.output_dir={Path(args.out).resolve()}", f"run.steps={steps}",
-              "run.save_every=0", "run.wandb=disabled", f"scheduler.p0={args.p0}", f"scheduler.r0={args.r0}"]
+              "run.save_every=0", "run.wandb=disabled", f"scheduler.p0={args.p0}", f"scheduler.r0={args.r0}",
+              "run.eval.every=0", "run.eval.before_train=false"]  # the training's time alone
     return ["-m", "rollpacker.train", "--config", CONFIG, *common, *mode.args(), *rep.seed_overrides(seed)]
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 
 from rollpacker.configlib import ConfigError, apply_overrides, build, load_yaml
 from rollpacker.data.config import DataConfig
+from rollpacker.eval import EvalConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.scheduler.config import SchedulerConfig
@@ -33,6 +34,7 @@ class RunSection:
     wandb_project: str = "rollpacker"
     threads_per_rank: int = 1  # CPU threads per rank (torch.set_num_threads)
     verify_sync: bool = False  # after each weight sync, compare every engine shard with the trainer's tensors
+    eval: EvalConfig = field(default_factory=EvalConfig)  # validation on data.eval_files while training
 
     def validate(self) -> None:
         if self.steps < 1:

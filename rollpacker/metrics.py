@@ -21,7 +21,7 @@ import torch.distributed as dist
 PHASE_COLOURS = {
     "rollout": "#4C72B0", "serve": "#6A8FC8", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
     "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860", "barrier": "#BDBDBD",
-    "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974",
+    "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974", "eval": "#17BECF",
 }
 
 
@@ -85,7 +85,8 @@ def plot_timeline(spans: list[Span], path: Path, title: str) -> Path:
 
 
 class MetricsLogger:
-    """Writes one JSON line per step and mirrors it to W&B (offline unless configured)."""
+    """Writes one JSON line per step, and one per eval (``eval/*`` keys, the step whose weights it
+    evaluated), and mirrors them to W&B (offline unless configured)."""
 
     def __init__(self, run_dir: Path, *, rank: int, wandb_mode: str, project: str, name: str,
                  config: dict[str, Any] | None = None, resume_step: int | None = None):
@@ -114,6 +115,13 @@ class MetricsLogger:
             if timeline is not None:
                 payload["timeline"] = wandb.Image(str(timeline))
             self._wandb.log(payload, step=step)
+
+    def steps_with(self, prefix: str) -> set[int]:
+        """Steps of the lines (kept after a resume's truncation) that hold a key starting with ``prefix``."""
+        if self.rank != 0 or not self.path.exists():
+            return set()
+        rows = (json.loads(ln) for ln in self.path.read_text().splitlines() if ln)
+        return {r["step"] for r in rows if any(k.startswith(prefix) for k in r)}
 
     def close(self) -> None:
         if self._wandb is not None:

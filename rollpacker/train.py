@@ -5,8 +5,9 @@
 Each step: plan the round (tail batching decides short or long, the planner
 its rollout TP) → wake that round's engines with the current weights →
 rollout, rewards scored as responses finish → train (one optimizer step) →
-metrics and checkpoint. A restart with the same command resumes from the
-latest checkpoint.
+metrics and checkpoint. With ``run.eval``, the weights of step N are evaluated
+on ``data.eval_files`` right after step N+1's weight sync, before its rollout.
+A restart with the same command resumes from the latest checkpoint.
 """
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(start + 1, pre.cfg.run.steps + 1):
         plan = run.plan_round()  # short or long round, rollout TP
         run.sync_weights()  # trainer shards -> HF tensors -> the round's engines
+        run.evaluate(step - 1)  # if due: the engines now hold step-1's weights (0: the starting policy)
         result = run.rollout(plan)  # scheduler + engines + reward pool
         train_metrics = run.train(result)  # one GRPO optimizer step
         if run.end_step(step, result, train_metrics):  # metrics, ledger, checkpoint; SIGTERM stops here
             break
+    else:
+        run.evaluate(pre.cfg.run.steps)  # the final weights, if due (no round follows: it syncs them itself)
     run.close()
     world.shutdown()
     return 0

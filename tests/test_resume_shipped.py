@@ -143,8 +143,10 @@ def _latest(run_dir: Path) -> int:
 
 
 def _rows(run_dir: Path) -> list[dict]:
+    """The training steps' lines (the shipped config's evals log lines of their own, without a round)."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if "round" in r]
 
 
 def _connected_to_local_port(port: int) -> bool:

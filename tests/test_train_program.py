@@ -22,8 +22,9 @@ POLICY = REPO_ROOT / "assets" / "policy"
 pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
 
 # Small enough for a few minutes on 2 cores; a long round comes every 5th step (4 short + 1 long).
+# Validation off (tests/test_eval.py runs it): the shipped config evaluates before training and every 5 steps.
 FAST = ["scheduler.p0=4", "scheduler.r0=4", "rollout.max_response_length=384", "run.wandb=offline",
-        "reward.num_workers=1"]
+        "reward.num_workers=1", "run.eval.every=0", "run.eval.before_train=false"]
 
 
 def _train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 900):
@@ -33,15 +34,35 @@ def _train(run_dir: Path, *overrides: str, check: bool = True, timeout: float = 
 
 
 def _metrics(run_dir: Path) -> list[dict]:
+    """The training lines, one per step (eval lines, where a run evaluates, have no ``round``)."""
+    return [r for r in _lines(run_dir) if "round" in r]
+
+
+def _lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def tail_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "tail"
-    # no profile rows: the planner starts at short_tp=1 / long_tp=2, so the long round regroups
-    _train(run_dir, "run.steps=6", "run.save_every=3", "run.verify_sync=true", "scheduler.planner.profile=[]")
+    # no profile rows: the planner starts at short_tp=1 / long_tp=2, so the long round regroups; the
+    # weights of step 4 are evaluated in step 5's round, on its one TP-2 engine
+    _train(run_dir, "run.steps=6", "run.save_every=3", "run.verify_sync=true", "scheduler.planner.profile=[]",
+           "run.eval.every=4", "run.eval.max_prompts=4")
     return run_dir
+
+
+def test_eval_runs_on_the_round_engine_set_the_planner_chose(tail_run):
+    evals = [r for r in _lines(tail_run) if "eval/seconds" in r]
+    rows = {r["step"]: r for r in _metrics(tail_run)}
+    print([(e["step"], e["eval/engines"], e["eval/greedy/pass@1"], e["eval/t1/pass@4"]) for e in evals])
+    assert [e["step"] for e in evals] == [4, 6]  # every 4 steps and after the last
+    assert rows[5]["rollout_tp"] == 2 and evals[0]["eval/engines"] == 1  # step 5's TP-2 engine over both ranks
+    assert rows[6]["rollout_tp"] == 1 and evals[1]["eval/engines"] == 2  # after the last: the last round's set
+    assert rows[5]["time/eval_s"] > 0 and all("time/eval_s" not in rows[s] for s in (1, 2, 3, 4, 6))
+    for e in evals:
+        assert e["eval/greedy/samples"] == 4 and e["eval/t1/samples"] == 16
+        assert 0 <= e["eval/t1/pass@1"] <= e["eval/t1/pass@4"] <= 1
 
 
 def test_every_batch_is_p0_by_r0_and_tp_regroups(tail_run):

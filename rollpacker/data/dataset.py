@@ -68,7 +68,11 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
-    for index, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as exc:  # pyarrow's errors do not always name the file
+        raise ValueError(f"data file {path}: cannot read it as Parquet: {exc}") from None
+    for index, row in enumerate(table.to_pylist()):
         yield f"{path}:row {index}", row
 
 

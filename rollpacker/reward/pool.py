@@ -67,6 +67,7 @@ class _Request:
     future: Future
     budget: float  # seconds on a worker before it counts as hung
     prompt_key: str | None = None  # code: whose timeout anchors the outcome updates
+    adapt: bool = True  # False: the outcome leaves the timeouts as they are (eval samples)
     attempts: int = 0
     seconds: float = 0.0  # worker time over all attempts
 
@@ -117,14 +118,18 @@ class RewardPool:
         atexit.register(self._abandon)
 
     # ---- public API -------------------------------------------------------------------
-    def submit(self, data_source: str, response: str, label: Any, *, key: str | None = None) -> Future:
-        """Queue one response for scoring. Raises ValueError for a sample no scorer accepts."""
+    def submit(self, data_source: str, response: str, label: Any, *, key: str | None = None,
+               adapt: bool = True) -> Future:
+        """Queue one response for scoring. Raises ValueError for a sample no scorer accepts.
+        ``adapt=False``: score with the current code timeouts but do not update them (an eval must
+        leave the training state as it found it)."""
         scorer = scorer_for(data_source)
         if scorer == JUDGE:
             if self._judge is None:
                 raise ValueError(f"data_source {data_source!r} needs an LLM judge: RewardPool(cfg, judge=...)")
             return self._judge.submit(response, label)
         request = self._request(scorer, response, label, key)
+        request.adapt = adapt
         with self._submit_lock:
             if self._closing:
                 raise RuntimeError("RewardPool.submit after close() or after its dispatcher failed")
@@ -361,7 +366,7 @@ class RewardPool:
         self._finish(request, outcome)
 
     def _finish(self, request: _Request, outcome: Outcome) -> None:
-        if request.prompt_key is not None and outcome.passed_case_seconds:
+        if request.adapt and request.prompt_key is not None and outcome.passed_case_seconds:
             self._timeouts.observe(request.prompt_key, outcome.passed_case_seconds)
         request.future.set_result(dataclasses.replace(outcome.score, seconds=request.seconds))
 

@@ -41,8 +41,13 @@ def preflight(argv: list[str] | None) -> Preflight:
         check_memory(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # GPU runs: every phase fits the device
         tokenizer = load_tokenizer(cfg.model.path, cfg.source)
         from rollpacker.data.dataset import PromptDataset
+        from rollpacker.eval import check_eval_files
+        check_eval_files(cfg)
         for split in ("train", "eval") if cfg.data.eval_files else ("train",):
-            PromptDataset.from_config(cfg.data, tokenizer, split=split)  # raises on a file with no usable rows
+            try:  # raises on a missing or unreadable file, or one with no usable rows
+                PromptDataset.from_config(cfg.data, tokenizer, split=split)
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"{cfg.source}: data.{split}_files: {exc}") from None
     except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"rollpacker: cannot start: {exc}", file=sys.stderr)

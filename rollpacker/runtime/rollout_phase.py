@@ -15,11 +15,14 @@ coordinator stops every other server and each leader releases its followers.
 """
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch.distributed as dist
 
 from rollpacker.coordinator import ROUND_END, TO_TRAINING, EngineServer, GroupFeed, GroupInbox, RemoteEngine, \
     exchange_endpoints
 from rollpacker.reward.sink import PoolRewardSink
+from rollpacker.rollout.engine import RolloutEngine
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.streaming import StreamFeed, stream_train
 from rollpacker.sample import Sample
@@ -27,6 +30,8 @@ from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
 from rollpacker.scheduler.round import RoundPlan, RoundResult
 from rollpacker.trainer.stream import StreamTrainer
+
+T = TypeVar("T")
 
 
 class RolloutPhase:
@@ -49,19 +54,27 @@ class RolloutPhase:
     def run(self, plan: RoundPlan | None) -> tuple[RoundResult | None, bool]:
         """Collective over the world: (the round's result on rank 0, else None;
         whether this rank was handed to training during the round)."""
+        def round_(engines: list[RolloutEngine]) -> RoundResult:
+            feed = self.streaming
+            result = self.scheduler.run_round(plan, engines, self.reward, clock=RealClock(),
+                                              on_group_done=feed.group_done if feed else None,
+                                              handoff=feed.policy(self.engines.layout) if feed else None)
+            self.stop_servers(engines, released=feed.released if feed else lambda eid: False)
+            self.streamed = feed.end_round() if feed else []
+            return result
+
+        return self.on_engines(round_)
+
+    def on_engines(self, work: Callable[[list[RolloutEngine]], T]) -> tuple[T | None, bool]:
+        """Collective over the world: rank 0 runs ``work`` over the awake set's engines (its own, and
+        proxies of the others) while their leaders serve and their followers mirror; ``work`` must
+        stop the servers it does not hand to training (``stop_servers``). Returns (``work``'s result
+        on rank 0, else None; whether this rank was handed to training)."""
         layout, engine = self.engines.layout, self.engines.active
         result, reason = None, ROUND_END
         if self.rank == 0:
-            round_engines = [engine if leader == 0 else self._proxy(layout.tp, eid, leader)
-                             for eid, leader in enumerate(layout.leaders)]
-            feed = self.streaming
-            result = self.scheduler.run_round(plan, round_engines, self.reward, clock=RealClock(),
-                                              on_group_done=feed.group_done if feed else None,
-                                              handoff=feed.policy(layout) if feed else None)
-            for eid, remote in enumerate(round_engines[1:], start=1):
-                if not (feed and feed.released(eid)):
-                    remote.stop_serving(ROUND_END)
-            self.streamed = feed.end_round() if feed else []
+            result = work([engine if leader == 0 else self._proxy(layout.tp, eid, leader)
+                           for eid, leader in enumerate(layout.leaders)])
         elif layout.is_leader:
             reason = self.server.serve(engine)
         else:
@@ -73,6 +86,11 @@ class RolloutPhase:
             dist.broadcast_object_list(box, src=layout.leader, group=layout.control)
             reason = box[0]
         return result, reason == TO_TRAINING
+
+    def stop_servers(self, engines: list[RolloutEngine], released: Callable[[int], bool]) -> None:
+        for eid, remote in enumerate(engines[1:], start=1):
+            if not released(eid):
+                remote.stop_serving(ROUND_END)
 
     def stream_train(self, stream: StreamTrainer) -> int:
         """On a rank handed to training: consume the groups fed to it until the rollout ends."""

@@ -22,6 +22,7 @@ from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
 from rollpacker.phases import Phase, PhaseMachine
 from rollpacker.reward import RewardPool
 from rollpacker.runtime.engines import EngineSets
+from rollpacker.runtime.eval_phase import EvalPhase
 from rollpacker.runtime.ledger import PromptLedger
 from rollpacker.runtime.preflight import Preflight
 from rollpacker.reward.sink import PoolRewardSink
@@ -70,6 +71,9 @@ class Run:
         replica_of = replica_of_ranks(layout.dp_rank, world.control) if cfg.trainer.stream else None
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=sink, replica_of=replica_of,
                                           trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
+        self.eval_phase = EvalPhase(cfg, self.rollout_phase, tokenizer=pre.tokenizer,
+                                    pool=self.pool if self.coordinator else None, run_dir=self.run_dir,
+                                    stop_token_ids=(pre.tokenizer.eos_token_id,))
         self.seconds: dict[str, float] = {}
 
     # --- resume ----------------------------------------------------------------------------------
@@ -89,6 +93,9 @@ class Run:
             self.metrics = MetricsLogger(self.run_dir, rank=0, wandb_mode=self.cfg.run.wandb,
                                          project=self.cfg.run.wandb_project, name=self.cfg.run.name,
                                          config=to_dict(self.cfg), resume_step=step or 0)
+        # an eval logged after the checkpoint's step is kept with it and not repeated; one cut short is
+        self.eval_phase.share_done(self.metrics.steps_with("eval/") if self.coordinator else None,
+                                   self.world.control)
         return step or 0
 
     # --- the phases of a step --------------------------------------------------------------------
@@ -108,6 +115,25 @@ class Run:
             self.seconds.update(self.engines.push(self.trainer.iter_hf_tensors()))
         if self.cfg.run.verify_sync:
             self.seconds["sync/max_abs_diff"] = self.engines.max_weight_diff(self.trainer.iter_hf_tensors())
+
+    def evaluate(self, step: int) -> None:
+        """If due and not logged yet: evaluate the weights after ``step`` (0: the starting policy) on
+        the awake engine set, which the last sync loaded with them (see eval_phase.py)."""
+        if not self.eval_phase.due(step):
+            return
+        own_sync = self.phases.phase is Phase.TRAIN  # after the last step no round's sync precedes it
+        if own_sync:
+            self.sync_weights()
+        self.phases.to(Phase.ROLLOUT)
+        with self._timed("eval"):
+            metrics = self.eval_phase.run(step)
+        if own_sync:
+            self.phases.to(Phase.TRAIN)
+        if self.coordinator:
+            self.metrics.log(step, metrics)
+            first = self.cfg.run.eval.samplings[0].name
+            log.info("eval of step %d: %s pass@1 %.3f in %.1fs", step, first, metrics[f"eval/{first}/pass@1"],
+                     metrics["eval/seconds"])
 
     def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
         """The round; a rank whose engine is handed to the stream trainer trains from then on."""
