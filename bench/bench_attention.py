@@ -12,7 +12,7 @@ workloads: a baseline-like batch (the task's long tail, see
 ``bench/bench_packing.py``) and a long-round batch (every response 250-450
 tokens, what a long round of tail batching trains). The summed losses must agree.
 Each step's seconds go to ``--out``, from which ``python -m bench.report``
-renders the README's table (also printed).
+renders the table in docs/results.md (also printed).
 """
 from __future__ import annotations
 

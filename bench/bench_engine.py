@@ -12,7 +12,7 @@ Two workloads, greedy on both sides:
   their longest member; the engine keeps up to BATCH requests running, refilling freed slots.
 Only tokens each request actually needed count. Each side runs ``--repeats`` times,
 interleaved, and the best is kept (the machine is shared). Every repeat's rate goes to
-``--out``, from which ``python -m bench.report`` renders the README's table (also printed).
+``--out``, from which ``python -m bench.report`` renders the table in docs/results.md (also printed).
 """
 from __future__ import annotations
 

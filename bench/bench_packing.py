@@ -16,7 +16,7 @@ shipped policy's Megatron model on it twice, in alternating order:
 
 Both see the same samples and produce the same summed loss (checked). Each
 step's seconds, padded tokens and micro-batches per mode go to ``--out``, from
-which ``python -m bench.report`` renders the README's table (also printed).
+which ``python -m bench.report`` renders the table in docs/results.md (also printed).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ engine and lives with the scheduler's benchmarks, not here.
     python -m bench.bench_reward [--parts math,code] [--math-samples N] [--code-prompts P] ... [--out FILE]
 
 The timings of every part go to ``--out`` (default ``bench/results/reward.json``), from which
-``python -m bench.report`` renders the README's table (also printed).
+``python -m bench.report`` renders the table in docs/results.md (also printed).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ TP 1/2/2, eta 1.25) the real scheduler runs the baseline, tail batching and
 tail batching with the parallelism planner over the modeled engines
 (``rollpacker.sim``) for two full 4-short + 1-long cycles on the same trace.
 The raw results (every round of every mode, per seed) go to ``--out``, from
-which ``python -m bench.report`` renders the README's table: the mean rollout
+which ``python -m bench.report`` renders the table in docs/results.md: the mean rollout
 seconds per step beside the published ones (NSDI'26: 8k 82 -> 47 s, 16k 277 ->
 88 s, 32k 673 -> 170 s) and the ratio of the predicted to the published speedup.
 

@@ -14,7 +14,7 @@ chunk's checkpoint) and the chunks of all runs are interleaved, in alternating
 order, so every mode sees the same load on shared cores. The first step of
 each chunk (engine and reward-pool start) is left out of the timings.
 
-Written to ``--results`` (tracked; the README's block is rendered from it by
+Written to ``--results`` (tracked; the block in docs/results.md is rendered from it by
 ``python -m bench.report``) and printed: the ablation, the speedup per seed,
 accuracy parity as RollPacker minus the baseline at the same seed (mean and
 95% t-interval) on the training reward (plot: ``docs/e2e_reward.png``) and on
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": data, "manifest": manifest}
     path = write_results(args.results, result)
     print("\n" + rep.readme_markdown(json.loads(path.read_text())))
-    print(f"\nplot: {args.plot}\nraw results: {path} (README: python -m bench.report)")
+    print(f"\nplot: {args.plot}\nraw results: {path} (docs/results.md: python -m bench.report)")
     return 0
 
 

@@ -166,9 +166,11 @@ def check_weight_sync(subject: Subject) -> dict[str, Any]:
 
 # The sync check of each step, by backend: the reference engine reads its weights back (run.verify_sync,
 # exact); sglang cannot, so the trainer's log-probs of the engine's samples must agree with the
-# engine's own (train/logprob_mismatch, a mean over tokens). fp32 on CPU agrees to ~1e-7 (README);
-# on a GPU the engine's kernels and TF32 differ from the trainer's, hence the wider bound there.
-LOGPROB_MISMATCH_BOUND = {"cpu": 1e-4, "cuda": 1e-2}
+# engine's own. fp32 on CPU: the largest per-token gap (train/logprob_mismatch_max) is 2.9e-6 on SGLang,
+# 4.5e-6 on the reference engine (tests/test_stale_sync.py prints both), bound at 3e-5; on a GPU the engine's bf16 kernels differ from the trainer's token by token, so
+# there the verdict is on the mean over tokens (train/logprob_mismatch), and the maximum is recorded.
+LOGPROB_MISMATCH_CHECK = {"cpu": ("train/logprob_mismatch_max", 3e-5), "cuda": ("train/logprob_mismatch", 1e-2)}
+CPU_SYNC_BOUND = LOGPROB_MISMATCH_CHECK["cpu"][1]
 
 
 def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
@@ -198,16 +200,17 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
             raise RuntimeError(f"{mode}: exit {proc.returncode}\n" + "\n".join(errors[-60:]))
         metrics = [json.loads(line) for line in (run_dir / mode / "metrics.jsonl").read_text().splitlines()]
         step_s = [m["time/step_s"] for m in metrics]
-        sync = ([m["sync/max_abs_diff"] for m in metrics] if backend == "reference"
-                else [m["train/logprob_mismatch"] for m in metrics])
+        mismatch_key, mismatch_bound = LOGPROB_MISMATCH_CHECK[device.type]
+        sync = [m["sync/max_abs_diff" if backend == "reference" else mismatch_key] for m in metrics]
         modes[mode] = {"wall_s": wall, "steps": len(metrics), "step_s": step_s, "sum_step_s": sum(step_s),
                        "rounds": [m["round"] for m in metrics], "rollout_tp": [m["rollout_tp"] for m in metrics],
                        "reward_mean": [m["reward_mean"] for m in metrics],
                        "rollout_s": [m["rollout_s"] for m in metrics],
                        "train_s": [m.get("time/train_s") for m in metrics],
                        "sync_check": sync, "sync_bytes": [m["sync/bytes"] for m in metrics],
+                       "logprob_mismatch_max": [m["train/logprob_mismatch_max"] for m in metrics],
                        "sync_ok": all(v == 0.0 for v in sync) if backend == "reference"
-                       else all(v < LOGPROB_MISMATCH_BOUND[device.type] for v in sync)}
+                       else all(v < mismatch_bound for v in sync)}
     ratio = modes["baseline"]["sum_step_s"] / modes["tail_batching"]["sum_step_s"]
     # step 1 carries each process's one-off costs (CUDA context, kernel loading, allocator growth)
     warm = sum(modes["baseline"]["step_s"][1:]) / max(sum(modes["tail_batching"]["step_s"][1:]), 1e-9)

@@ -9,6 +9,7 @@ code up to the backend.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -326,10 +327,14 @@ def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batche
         torch.cuda.reset_peak_memory_stats(subject.device)
     _sync(subject.device)
     t0 = time.perf_counter()
-    for _ in range(micro_batches):
-        backend.forward_backward([mb], loss_fn)
+    outputs = [backend.forward_backward([mb], loss_fn) for _ in range(micro_batches)]
     _sync(subject.device)
     seconds = (time.perf_counter() - t0) / micro_batches
+    # the timed work was the whole micro-batch each time: every response token counted, a finite loss
+    loss_tokens = [float(sums.tokens) for out in outputs for sums in out]
+    expected_tokens = sum(len(s.response_ids) for s in samples)
+    complete = (len(loss_tokens) == micro_batches and all(t == expected_tokens for t in loss_tokens)
+                and all(math.isfinite(float(sums.pg_loss)) for out in outputs for sums in out))
     lengths = [len(s.prompt.input_ids) + len(s.response_ids) for s in samples]
     flops = training_flops(subject.model_dir, lengths)
     mfu = flops / seconds / PEAK_BF16_FLOPS if subject.cuda else None
@@ -345,7 +350,8 @@ def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batche
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(subject.device)
         result.update(_predicted_peak(spec, mb.num_tokens, subject.dtype))
     del trainer
-    result["ok"] = seconds > 0 and (min_mfu is None or mfu is None or mfu >= min_mfu)
+    result.update(loss_tokens=loss_tokens, expected_loss_tokens=expected_tokens)
+    result["ok"] = complete and (min_mfu is None or mfu is None or mfu >= min_mfu)
     if min_mfu is not None:
         result["min_mfu"] = min_mfu
     return result

@@ -18,7 +18,7 @@ After each run, its final policy is sampled on the held-out prompts (4 per
 prompt, same sampling seed for every policy). Printed: held-out pass@1 and
 median response length per run, each configuration's mean, and its paired
 difference from the baseline of the same seed (mean and 95% t-interval over
-seeds), also written to ``--results`` (tracked; the README's table is rendered
+seeds), also written to ``--results`` (tracked; the table in docs/results.md is rendered
 from it by ``python -m bench.report``). If
 ``no_race`` matches the baseline while ``rollpacker`` does not, the response
 race is the cause. Runs are not timed here (``bench/e2e.py`` does that).
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out pass@1 ({args.eval_n} samples per prompt), starting policy {evals['start']['pass_at_1']:.3f}")
     for key, p_ in result["paired"].items():
         print(f"  {key}: " + rep.paired_text(p_, f"{key}'s held-out pass@1"))
-    print(f"raw results: {path} (README: python -m bench.report)")
+    print(f"raw results: {path} (docs/results.md: python -m bench.report)")
     return 0
 
 

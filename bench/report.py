@@ -1,6 +1,6 @@
-"""The README's generated tables, rendered from the raw results in ``bench/results/``.
+"""The generated tables of README.md and docs/, rendered from the raw results in ``bench/results/``.
 
-    python -m bench.report           # rewrite every generated block of README.md
+    python -m bench.report           # rewrite every generated block of README.md and docs/*.md
     python -m bench.report --check   # exit 1 if a block differs from what its results file gives
 
 A generated block sits between ``<!-- bench.report NAME -->`` and
@@ -24,6 +24,9 @@ from bench.results import REPO
 
 RESULTS = REPO / "bench" / "results"
 README = REPO / "README.md"
+# the files that hold generated blocks: the front page's headline and docs/results.md's full tables
+PAGES = (README, REPO / "docs" / "results.md", REPO / "docs" / "gpu.md", REPO / "docs" / "sglang.md",
+         REPO / "docs" / "slurm.md")
 BLOCK = re.compile(r"(<!-- bench\.report (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench\.report -->)", re.S)
 
 
@@ -301,21 +304,107 @@ def race_bias(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The full GPU acceptance run the front page quotes (docs/gpu/README.md lists every run and what it fixed).
+GPU_RUN = "docs/gpu/2026-11-23-h100-b/run3-acceptance.json"
+
+
+def headline() -> str:
+    """README's front-page table: one line per kind of evidence, each linking to its full block."""
+    e2e_r, sim_r = (json.loads((RESULTS / f"{n}.json").read_text()) for n in ("e2e", "sim"))
+    gpu = json.loads((REPO / GPU_RUN).read_text())
+    speedups = list(e2e_r["per_seed_speedup"].values())
+    parity = e2e_r["reward_parity"]
+    checks = gpu["checks"]
+    passed = sum(c["ok"] for c in checks.values())
+    program = checks["program/baseline_vs_tail_batching"]
+    trainer = gpu["checks"]["qwen2.5-0.5b-shape/trainer_throughput"]
+    sims = ", ".join(f"{m['model'].upper()} {m['mean']['tail_batching']['speedup']:.2f}× "
+                     f"({m['mean']['planner']['speedup']:.2f}× with the planner)" for m in sim_r["models"])
+    geo = math.exp(statistics.fmean(map(math.log, speedups)))
+    return "\n".join([
+        "| evidence | figure | where |", "|---|---|---|",
+        f"| CPU, end to end (the real program, 2 ranks, {len(speedups)} seeds) | {geo:.2f}× s/step over the "
+        f"synchronous baseline (per seed {min(speedups):.2f}–{max(speedups):.2f}×); reward difference "
+        f"{parity['mean']:+.3f} [{parity['low']:+.3f}, {parity['high']:+.3f}] (95% paired interval): "
+        f"{parity['verdict'].split(' (')[0]} | [results: end to end](docs/results.md#end-to-end), "
+        f"`{e2e_r['command']}` at {e2e_r['commit']} |",
+        f"| GPU acceptance ({gpu['env']['device']}, {gpu['env']['date'][:10]}) | {passed} of {len(checks)} checks "
+        f"passed; the program "
+        f"{program['speedup_tail_batching_over_baseline']:.2f}× s/step with tail batching "
+        f"({program['speedup_after_step_1']:.2f}× after step 1); trainer {trainer['tokens_per_s']:,.0f} tokens/s "
+        f"on Qwen2.5-0.5B's shape | [docs/gpu.md](docs/gpu.md), `{GPU_RUN}` |",
+        f"| cluster projection (the real scheduler on modeled H800s) | rollout speedup over the baseline: {sims} "
+        f"| [results: cluster-scale projection](docs/results.md#end-to-end), `{sim_r['command']}` at "
+        f"{sim_r['commit']} |"])
+
+
+def control(r: dict[str, Any]) -> str:
+    """bench_control: rank 0's own CPU per round while it drives N engines, against the modeled round."""
+    s = r["settings"]
+
+    def rows(run: dict[str, Any]) -> list[str]:
+        return [f"| {x['engines']} | {x['requests_per_round']:,.0f} | {x['modeled_s_per_round']:.1f} s "
+                f"| {_mean(x['rounds'], 'replayed_s'):.0f} s | {x['projected_cpu_s_per_round']:.2f} s "
+                f"| {x['cpu_us_per_request']:.0f} µs | {x['overhead']:.1%} "
+                f"| {x['launch_to_engine_ms']['p50']:,.0f} / {x['launch_to_engine_ms']['p99']:,.0f} ms "
+                f"| {x['messages_per_round']:,.0f} ({_messages(x['messages'], len(x['rounds']))}) | {x['messages_per_modeled_s']:,.0f} |"
+                for x in run["sizes"]]
+
+    head = ["| engines | requests per round | modeled round | the round as replayed (model time) "
+            "| rank 0 CPU per round | per request | overhead (÷ modeled round) | launch → engine p50 / p99 "
+            "| messages per round | per modeled s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"{s['model']}, {s['limit'] // 1024}k limit, P0 = 2 × engines, R0 = {s['r0']}, "
+             f"{s['responses_per_prompt']} responses launched per prompt (32 requests per engine), {s['rounds']} "
+             f"rounds per size replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
+             f"{provenance(r)}:", "", *head, *rows(r)]
+    if "before" in r:
+        lines += ["", f"Before the fix (polling every engine, a message per prompt and engine at launch, every "
+                      f"pending score checked every loop; {provenance(r['before'])}):", "", *head, *rows(r["before"])]
+    lines += ["", "Rank 0 CPU: this process's (scheduler, channel, reward dispatch and their threads), the replay's "
+                  "plus its idle wake-ups over the rest of the modeled round at real speed. The round as replayed "
+                  "is longer than the model's when rank 0 (or this machine) could not keep up; completions then "
+                  "reach rank 0 in larger batches than at real speed, so its polls per round are a lower bound "
+                  "(at most one per request). Launch → engine: from the round's launch to the request reaching "
+                  "its engine's server, in wall seconds of the replay."]
+    return "\n".join(lines)
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(x[key] for x in rows)
+
+
+def _messages(counts: dict[str, int], rounds: int) -> str:
+    """Per round, by kind, most first."""
+    return ", ".join(f"{n / rounds:,.0f} {k.strip('_').replace('_serving', '')}"
+                     for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
     "sim": sim, "stream": stream, "packing": packing, "attention": attention,
-    "engine": engine, "reward": reward}
+    "engine": engine, "reward": reward, "control": control}
 
 
-def render(text: str) -> str:
+# blocks drawn from several sources: rendered by a function that reads them itself
+SUMMARIES: dict[str, Callable[[], str]] = {"headline": headline}
+
+
+def render(text: str, where: str = "README.md") -> str:
     def block(match: re.Match) -> str:
         name = match["name"]
+        if name in SUMMARIES:
+            return f"{match[1]}{SUMMARIES[name]()}\n{match[4]}"
         if name not in RENDERERS:
-            raise SystemExit(f"README.md: unknown generated block {name!r}; known: {sorted(RENDERERS)}")
+            raise SystemExit(f"{where}: unknown generated block {name!r}; known: {sorted(RENDERERS)}")
         results = json.loads((RESULTS / f"{name}.json").read_text())
         return f"{match[1]}{RENDERERS[name](results)}\n{match[4]}"
 
     return BLOCK.sub(block, text)
+
+
+def pages() -> dict[str, str]:
+    """Each page that exists, by its path relative to the repository, with its text."""
+    return {str(p.relative_to(REPO)): p.read_text() for p in PAGES if p.exists()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,16 +412,19 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="compare, do not write")
     args = p.parse_args(argv)
-    text = README.read_text()
-    new = render(text)
-    if args.check:
-        if new != text:
-            print("README.md: generated blocks differ from bench/results/*.json; run python -m bench.report",
-                  file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(new)
-    print(f"README.md: {len(BLOCK.findall(text))} generated block(s) rendered")
+    stale = []
+    for where, text in pages().items():
+        new = render(text, where)
+        if new == text:
+            continue
+        stale.append(where)
+        if not args.check:
+            (REPO / where).write_text(new)
+            print(f"{where}: {len(BLOCK.findall(text))} generated block(s) rendered")
+    if args.check and stale:
+        print(f"{', '.join(stale)}: generated blocks differ from bench/results/*.json; run python -m bench.report",
+              file=sys.stderr)
+        return 1
     return 0
 
 

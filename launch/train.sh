@@ -19,6 +19,9 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${nodes[0]}
+# Reached at its NodeAddr, which Slurm sets to the node name unless slurm.conf gives an address
+head_addr=$(scontrol show node "$head_node" | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
+head_addr=${head_addr:-$head_node}
 # 20000-28999: below rollout.sglang_base_port (30000 by default), where the engines bind theirs
 port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 9000))}
 if gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU); then :; else gpus=0; fi
@@ -30,10 +33,10 @@ nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
 # (rollpacker/runtime/world.py, attempt_store).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
-echo "rollpacker: ${#nodes[@]} node(s) x ${nproc} ranks, rendezvous ${head_node}:${port}, config ${config}"
+echo "rollpacker: ${#nodes[@]} node(s) x ${nproc} ranks, rendezvous ${head_node} (${head_addr}):${port}, config ${config}"
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
   python -m torch.distributed.run \
     --nnodes="${SLURM_JOB_NUM_NODES}" --nproc_per_node="${nproc}" \
-    --rdzv_backend=c10d --rdzv_endpoint="${head_node}:${port}" --rdzv_id="${SLURM_JOB_ID}" \
+    --rdzv_backend=c10d --rdzv_endpoint="${head_addr}:${port}" --rdzv_id="${SLURM_JOB_ID}" \
     --max-restarts="${MAX_RESTARTS:-3}" \
     -m rollpacker.train --config "${config}" "$@"

@@ -268,13 +268,15 @@ def save_hf_checkpoint(model: torch.nn.Module, layout: ParallelLayout, out_dir: 
     for name, tensor in iter_hf_tensors(model, layout):
         if layout.is_writer:
             tensors[name] = tensor.cpu()
-    if layout.is_writer:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        (out_dir / "config.json").write_text(json.dumps(load_hf_config(hf_config), indent=2) + "\n")
-        if not isinstance(hf_config, Mapping):
-            copy_tokenizer_files(hf_config, out_dir)
-    dist.barrier()
+    try:
+        if layout.is_writer:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            (out_dir / "config.json").write_text(json.dumps(load_hf_config(hf_config), indent=2) + "\n")
+            if not isinstance(hf_config, Mapping):
+                copy_tokenizer_files(hf_config, out_dir)
+    finally:  # a writer that fails (a full disk) still releases the other ranks; its error is the caller's
+        dist.barrier()
 
 
 def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> None:

@@ -30,8 +30,14 @@ class RunSection:
     steps: int = 10
     save_every: int = 5  # steps between checkpoints; 0 disables periodic saves
     keep_checkpoints: int = 2
+    # resume from this checkpoint step instead of the newest intact one (refused if it is absent or
+    # damaged); the checkpoints after it are removed, as their steps are redone
+    resume_from: int | None = None
     wandb: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "rollpacker"
+    # steps between completions tables in W&B (a sample of the step's requests and what became of
+    # each); 0: never
+    log_samples_every: int = 10
     threads_per_rank: int = 1  # CPU threads per rank (torch.set_num_threads)
     verify_sync: bool = False  # after each weight sync, compare every engine shard with the trainer's tensors
     eval: EvalConfig = field(default_factory=EvalConfig)  # validation on data.eval_files while training
@@ -41,6 +47,10 @@ class RunSection:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if self.save_every < 0:
             raise ConfigError(f"save_every must be >= 0, got {self.save_every}")
+        if self.resume_from is not None and self.resume_from < 1:
+            raise ConfigError(f"resume_from must be a checkpoint's step (>= 1), got {self.resume_from}")
+        if self.log_samples_every < 0:
+            raise ConfigError(f"log_samples_every must be >= 0 (0: never), got {self.log_samples_every}")
 
 
 @dataclass

@@ -6,6 +6,10 @@ talks over ZeroMQ REQ/REP to an ``EngineServer`` on the leader. The server
 keeps stepping its engine whenever it has work and answers messages between
 steps, so remote engines decode concurrently with rank 0's own engine; a
 ``poll`` from the coordinator only collects completions already buffered.
+A server with completions waiting rings rank 0's ``Bell`` once (PUSH/PULL),
+so the coordinator polls only the engines that rang and otherwise sleeps on
+one socket: its cost follows the completions, not the number of engines or
+the seconds a round lasts (``bench/bench_control.py``).
 
 In long rounds the coordinator also feeds finished prompt groups to ranks
 handed to the stream trainer (``GroupFeed`` → ``GroupInbox``, PUSH/PULL).
@@ -21,8 +25,10 @@ survivor only after its shutdown timeout, and a lone rank would wait forever).
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import time
+from urllib.parse import urlparse
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -43,6 +49,24 @@ TO_TRAINING = "to_training"  # ... or its ranks were handed to the stream traine
 _HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 2_000, 30_000
 
 
+_CONTEXT: zmq.Context | None = None
+
+
+def _context() -> zmq.Context:
+    """The channel's own ZeroMQ context. Rank 0 holds three sockets per remote engine (its REQ socket
+    and its monitor's pair) and four descriptors: ZeroMQ's default of 1023 sockets per context, which
+    can only be raised before a context's first socket, and a common soft limit of 1024 open files
+    would both stop it at a few hundred engines."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        _CONTEXT = zmq.Context()
+        _CONTEXT.set(zmq.MAX_SOCKETS, _CONTEXT.get(zmq.SOCKET_LIMIT))
+    return _CONTEXT
+
+
 class PeerLostError(ConnectionError):
     """The rank at the other end of a coordinator socket is gone."""
 
@@ -51,7 +75,7 @@ class _Channel:
     """A ZeroMQ socket of ``kind`` that notices when a peer hangs up (its socket monitor)."""
 
     def __init__(self, kind: int, peer: str):
-        self.sock = zmq.Context.instance().socket(kind)
+        self.sock = _context().socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
@@ -91,12 +115,13 @@ def exchange_endpoints(server_port: int, inbox_port: int, group: dist.ProcessGro
     """Collective: every rank publishes the ports its ``EngineServer`` and ``GroupInbox`` are bound to.
 
     A peer on this host is reached over loopback, one on another node by its
-    hostname.
+    hostname, or by the address ``ROLLPACKER_NODE_ADDR`` gives where that is set (a hostname that
+    resolves to another network; nodes emulated on one machine, ``tests/multinode.py``).
     """
-    mine = (dist.get_rank(group), socket.gethostname(), server_port, inbox_port)
+    here = os.environ.get("ROLLPACKER_NODE_ADDR") or socket.gethostname()
+    mine = (dist.get_rank(group), here, server_port, inbox_port)
     everyone: list[tuple | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    here = socket.gethostname()
     endpoints = []
     for rank, host, server, inbox in everyone:
         host = "127.0.0.1" if host == here else host
@@ -127,33 +152,74 @@ class EngineServer:
         self._channel = _Channel(zmq.REP, "the coordinator (rank 0)")
         self.port = _bind(self._channel.sock, 0)
         self._done: list[Completion] = []
+        self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell, once it asked for one
+        self._bell_address, self._token = "", b""
+        self._rang = False  # the bell rang for what waits in _done; a poll resets it
 
     def serve(self, engine: RolloutEngine) -> str:
         """Step ``engine`` whenever it has work, answer messages between steps, until told to
         stop; returns the reason the coordinator gave (``ROUND_END`` or ``TO_TRAINING``)."""
         while True:
             busy = bool(engine.active_request_ids())
-            if self._channel.ready(0 if busy else 50):
-                method, args = self._channel.sock.recv_pyobj()
-                if method == _STOP:
-                    self._channel.sock.send_pyobj(("ok", None))
-                    return args[0]
-                self._channel.sock.send_pyobj(self._handle(engine, method, args))
+            if self._channel.ready(0 if busy else 50) and (reason := self.answer(engine)) is not None:
+                return reason
             if busy:
-                self._done.extend(engine.poll(0.0))
+                self.collect(engine)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The coordinator's requests arrive here (one process may multiplex many servers)."""
+        return self._channel.sock
+
+    def answer(self, engine: RolloutEngine) -> str | None:
+        """Answer the request waiting on ``socket``; the reason the coordinator gave if it was a stop."""
+        method, args = self._channel.sock.recv_pyobj()
+        if method == _STOP:
+            self._channel.sock.send_pyobj(("ok", None))
+            self._token, self._rang = b"", False
+            return args[0]
+        self._channel.sock.send_pyobj(self._handle(engine, method, args))
+        self._ring()
+        return None
+
+    def collect(self, engine: RolloutEngine) -> None:
+        """Advance ``engine``; what finished waits for the coordinator's next poll."""
+        self._done.extend(engine.poll(0.0))
+        self._ring()
+
+    def _ring(self) -> None:
+        if self._done and self._token and not self._rang:
+            self._bell.send(self._token)
+            self._rang = True
+
+    def _watch(self, address: str, token: bytes) -> None:
+        if address != self._bell_address:
+            if self._bell is not None:
+                self._bell.close(linger=0)
+            self._bell = _context().socket(zmq.PUSH)
+            self._bell.setsockopt(zmq.LINGER, 0)
+            self._bell.connect(address)
+            self._bell_address = address
+        self._token, self._rang = token, False
 
     def close(self) -> None:
+        if self._bell is not None:
+            self._bell.close(linger=0)
         self._channel.close()
 
     def _handle(self, engine: RolloutEngine, method: str, args: tuple) -> tuple[str, Any]:
         try:
             if method == "poll":
-                out, self._done = self._done, []
+                out, self._done, self._rang = self._done, [], False
                 return "ok", out
+            if method == "watch":
+                self._watch(*args)
+                return "ok", None
             if method == "evict":  # finished but not yet collected ones are handed back too
                 ids = set(args[0])
                 handed = [c for c in self._done if c.request_id in ids]
                 self._done = [c for c in self._done if c.request_id not in ids]
+                self._rang = self._rang and bool(self._done)
                 return "ok", handed + engine.evict(ids - {c.request_id for c in handed})
             return "ok", getattr(engine, method)(*args)
         except RequestError as exc:
@@ -162,14 +228,56 @@ class EngineServer:
             return "error", f"{type(exc).__name__}: {exc}"
 
 
-class RemoteEngine(RolloutEngine):
-    """Proxy for an engine served by another rank's ``EngineServer``."""
+class Bell:
+    """Rank 0's doorbell: the server of a ``RemoteEngine`` made with it rings (sends the proxy's
+    token) when completions wait for a poll, once until the next poll collects them."""
 
-    def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0):
+    def __init__(self):
+        self.sock = _context().socket(zmq.PULL)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = _bind(self.sock, 128)
+        self._enrolled = 0
+
+    def enroll(self) -> int:
+        self._enrolled += 1
+        return self._enrolled
+
+    def address_for(self, endpoint: Endpoint) -> str:
+        """This bell as the server at ``endpoint`` reaches it: loopback on this host, else by this
+        node's address as ``exchange_endpoints`` publishes it."""
+        host = urlparse(endpoint.address).hostname
+        here = "127.0.0.1" if host == "127.0.0.1" else os.environ.get("ROLLPACKER_NODE_ADDR") or socket.gethostname()
+        return f"tcp://{here}:{self.port}"
+
+    def rung(self, timeout_s: float = 0.0) -> set[int]:
+        """The tokens of the proxies whose servers rang since the last call; when none has, waits up
+        to ``timeout_s`` for one."""
+        out: set[int] = set()
+        if self.sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    out.add(int(self.sock.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RemoteEngine(RolloutEngine):
+    """Proxy for an engine served by another rank's ``EngineServer``.
+
+    With a ``bell`` its server rings when completions wait: ``EngineDriver`` then polls it only
+    when it rang (``bell_token``) instead of on every sweep."""
+
+    def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0, bell: Bell | None = None):
         self.endpoint, self.engine_id = endpoint, engine_id
         self._timeout_ms = int(timeout_s * 1000)
         self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
         self._channel.sock.connect(endpoint.address)
+        self.bell, self.bell_token = bell, bell.enroll() if bell is not None else 0
+        self._watched = False  # the server rings for this proxy (set by the round's first submit)
 
     def _call(self, method: str, *args: Any) -> Any:
         self._channel.sock.send_pyobj((method, args))
@@ -183,6 +291,9 @@ class RemoteEngine(RolloutEngine):
         return value
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        if self.bell is not None and not self._watched:
+            self._call("watch", self.bell.address_for(self.endpoint), b"%d" % self.bell_token)
+            self._watched = True
         self._call("submit", list(requests))
 
     def poll(self, timeout: float | None = 0.0) -> list[Completion]:
@@ -218,6 +329,7 @@ class RemoteEngine(RolloutEngine):
     def stop_serving(self, reason: str = ROUND_END) -> None:
         """End the server's loop: its rank returns to the SPMD program with ``reason``."""
         self._call(_STOP, reason)
+        self._watched = False
 
     def shutdown(self) -> None:
         self._channel.close()
@@ -267,7 +379,7 @@ class GroupFeed:
         """``group`` to each of ``ranks`` (one data-parallel replica); ``streaming.RolloutEnded`` ends their round."""
         for rank in ranks:
             if rank not in self._socks:
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock = _context().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.connect(self._endpoints[rank].inbox)
                 self._socks[rank] = sock

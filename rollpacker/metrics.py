@@ -4,6 +4,11 @@ Each rank records spans (phase name, start, end) on its own ``Timeline``; at
 the end of a step they are gathered to rank 0, which draws one image per step
 (one row per rank, one colour per phase) into ``RUN_DIR/timeline/`` and logs
 it to W&B beside the step's scalars. Only rank 0 writes anything.
+
+In W&B every metric sits in a section (``SECTIONS``, the prefix before the
+first "/"), declared with ``define_metric`` so that the default workspace
+groups its charts; metrics.jsonl keeps its flat names, which the tests,
+benchmarks and docs read (``wandb_key`` maps one to the other).
 """
 from __future__ import annotations
 
@@ -14,15 +19,34 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
+
+from rollpacker.checkpoint import append_record, rewind_records
 
 PHASE_COLOURS = {
     "rollout": "#4C72B0", "serve": "#6A8FC8", "follow": "#8FAADC", "reward": "#DD8452", "train": "#55A868",
     "stream_train": "#2E7D32", "sync": "#C44E52", "offload": "#8172B3", "onload": "#937860", "barrier": "#BDBDBD",
     "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974", "eval": "#17BECF",
 }
+
+SECTIONS = ("rollout", "reward", "train", "perf", "eval")
+_RENAMED = {"reward_mean": "reward/mean", "accuracy": "reward/accuracy"}
+_PERF = {"rollout_s", "reward_s", "bubble_fraction"}
+
+
+def wandb_key(key: str) -> str:
+    """The W&B name of a metrics.jsonl key: keys already in a section keep it; seconds, phase
+    changes and weight sync go to ``perf/``; rewards to ``reward/``; the round's counts to ``rollout/``."""
+    head = key.split("/", 1)[0]
+    if key in _RENAMED:
+        return _RENAMED[key]
+    if head in SECTIONS:
+        return key
+    if key in _PERF or head in ("time", "handoff", "sync"):
+        return f"perf/{key}"
+    return f"rollout/{key}"
 
 
 @dataclass
@@ -75,7 +99,14 @@ def plot_timeline(spans: list[Span], path: Path, title: str) -> Path:
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=min(len(used), 6), frameon=False)
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since step start")
+    return save_chart(fig, ax, path, title=title, xlabel="seconds since step start")
+
+
+def save_chart(fig: Any, ax: Any, path: Path, *, title: str, xlabel: str) -> Path:
+    """Title, lay out and write a per-step chart (PNG, 90 dpi), and free its figure."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,18 +133,25 @@ class MetricsLogger:
             import wandb
             self._wandb = wandb.init(project=project, name=name, dir=str(self.run_dir), mode=wandb_mode,
                                      config=config, id=_wandb_id(self.run_dir), resume="allow")
+            # every chart's x axis is the training step (an eval line's: the step whose weights it evaluated)
+            self._wandb.define_metric("step", hidden=True)
+            for section in SECTIONS:
+                self._wandb.define_metric(f"{section}/*", step_metric="step")
 
-    def log(self, step: int, metrics: dict[str, Any], timeline: Path | None = None) -> None:
+    def log(self, step: int, metrics: dict[str, Any], images: dict[str, Path] | None = None,
+            tables: dict[str, tuple[Sequence[str], list[list]]] | None = None) -> None:
+        """``images`` (W&B key: PNG file) and ``tables`` (W&B key: columns, rows) go to W&B only."""
         if self.rank != 0:
             return
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
         if self._wandb is not None:
             import wandb
-            payload = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
-            if timeline is not None:
-                payload["timeline"] = wandb.Image(str(timeline))
+            payload = {wandb_key(k): v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            payload["step"] = step
+            payload.update({k: wandb.Image(str(path)) for k, path in (images or {}).items()})
+            payload.update({k: wandb.Table(columns=list(cols), data=rows)
+                            for k, (cols, rows) in (tables or {}).items()})
             self._wandb.log(payload, step=step)
 
     def steps_with(self, prefix: str) -> set[int]:
@@ -128,9 +166,8 @@ class MetricsLogger:
             self._wandb.finish()
 
     def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint; drop their stale lines."""
-        keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        """A resumed run rewrites the steps after its checkpoint; drop their stale lines (and a torn one)."""
+        rewind_records(self.path, step)
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,12 +61,36 @@ def make_random_qwen3(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     return make_random_checkpoint(path, "qwen3", seed=seed, **overrides)
 
 
+def run_in_session(cmd: list[str], *, timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, timeout=timeout, ...)`` in a session of its own whose process group is killed
+    however the run ends (a timeout or an interrupt included), so that a launcher's workers never outlive it."""
+    with subprocess.Popen(cmd, start_new_session=True, **popen_kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            kill_group(proc.pid)
+            exc.output, exc.stderr = proc.communicate()
+            raise
+        finally:
+            kill_group(proc.pid)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` (a session this process started), if anything is left in it."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, env: dict | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
     """Run ``torchrun --nproc_per_node nproc ARGS`` (gloo, one thread per rank) from the repo root."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_in_session(cmd, timeout=timeout, cwd=REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

@@ -1,4 +1,6 @@
-"""A one-node Slurm cluster on this machine, for launch tests (Debian slurmctld/slurmd/munge)."""
+"""A Slurm cluster on this machine for launch tests (Debian slurmctld/slurmd/munge): emulated nodes,
+each its own slurmd (``slurmd -N NAME``) on its own port. This needs a Slurm built with
+``--enable-multiple-slurmd``; Debian's 22.05 is (its ``scontrol show config`` lists MULTIPLE_SLURMD)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +11,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+
+import psutil
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo")
 
@@ -41,20 +45,50 @@ def existing_slurm() -> str | None:
     return None
 
 
+def host_node_config(nodes: int = 1) -> str:
+    """The hardware part of a NodeName line, from ``slurmd -C`` (what slurmd itself will report
+    when it registers): the host's CPU topology, and its memory split between ``nodes`` emulated
+    nodes less 10%. A node that declares more than slurmd reports is drained ("Low RealMemory")."""
+    out = subprocess.run(["/usr/sbin/slurmd", "-C"], capture_output=True, text=True, check=True).stdout
+    fields = dict(kv.split("=", 1) for kv in out.split("\n", 1)[0].split())
+    keys = ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore")
+    return " ".join(f"{k}={fields[k]}" for k in keys) + f" RealMemory={int(fields['RealMemory']) * 9 // 10 // nodes}"
+
+
 class LocalSlurm:
     """Slurm and munge daemons of this test only: their own key, socket, ports, pid and state files
     under ``workdir``, stopped by the pids they wrote. Nothing system-wide is read, written or killed,
-    so a real cluster's daemons on the same machine are left alone."""
+    so a real cluster's daemons on the same machine are left alone.
 
-    def __init__(self, workdir: Path):
+    The nodes, ``node0``, ``node1``, ..., are each served by a slurmd of its own (``-N``) on its own
+    port, all at ``NodeAddr=127.0.0.1`` on this host. A job that needs a node's address asks Slurm for
+    its NodeAddr (``launch/train.sh`` does)."""
+
+    def __init__(self, workdir: Path, nodes: int = 1):
         self.dir = Path(workdir)
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = [f"node{i}" for i in range(nodes)]
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.socket"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self.pid_files = [self.dir / "slurmd.pid", self.dir / "slurmctld.pid", self.dir / "munge" / "munged.pid"]
+
+    def __enter__(self) -> "LocalSlurm":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def start(self, timeout: float = 60) -> None:
+        """Start munged, slurmctld and every node's slurmd, and wait until every node is idle; on
+        any failure the daemons already started are stopped before the error is raised."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         for sub in ("state", "spool", "log", "munge"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         munge = self.dir / "munge"
@@ -66,13 +100,25 @@ class LocalSlurm:
                         f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"], check=True)
         self.conf.write_text(self._conf())
         subprocess.run(["/usr/sbin/slurmctld", "-f", str(self.conf)], env=self.env, check=True)
-        subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf)], env=self.env, check=True)
+        for name in self.nodes:
+            (self.dir / "spool" / name).mkdir(exist_ok=True)
+            started = subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf), "-N", name], env=self.env,
+                                     capture_output=True, text=True)
+            if started.returncode:
+                raise RuntimeError(f"slurmd -N {name} exited {started.returncode}: {started.stderr.strip()}\n"
+                                   f"{self.logs()}")
         deadline = time.time() + timeout
         while time.time() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip() in ("idle", "mixed", "allocated"):
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], env=self.env, capture_output=True,
+                                 text=True)
+            states = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+            drained = {n: s for n, s in states.items() if s.startswith(("drain", "inval"))}
+            if drained:
+                raise RuntimeError(f"Slurm took nodes out of service: {drained}\n{self.logs()}")
+            if out.returncode == 0 and sorted(states) == sorted(self.nodes) and all(
+                    s.split()[0] in ("idle", "mixed", "allocated") for s in states.values()):
                 return
-            time.sleep(1)
+            time.sleep(0.5)
         raise RuntimeError(f"Slurm did not come up: {out.stdout} {out.stderr}\n{self.logs()}")
 
     def sbatch(self, args: list[str], cwd: Path) -> subprocess.Popen:
@@ -81,29 +127,37 @@ class LocalSlurm:
                                 stderr=subprocess.PIPE, text=True)
 
     def logs(self) -> str:
-        return "\n".join(p.read_text()[-3000:] for p in (self.dir / "log").glob("*.log"))
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.dir / "log").glob("*.log")))
 
     def stop(self, timeout: float = 90) -> None:
         # A job still running (a test that failed or timed out) is cancelled and left to end while
         # slurmctld is up: a slurmstepd that cannot report its job's end to it outlives the daemons
         # and makes existing_slurm() refuse every later cluster on this machine.
-        subprocess.run(["scancel", "--partition=debug"], env=self.env, capture_output=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
-                                                        text=True).stdout.strip():
-            time.sleep(1)
-        for pid_file in self.pid_files:
-            if pid_file.exists():
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
-        time.sleep(0.5)
+        if (self.dir / "slurmctld.pid").exists():
+            subprocess.run(["scancel", "--partition=debug"], env=self.env, capture_output=True)
+            deadline = time.time() + timeout
+            while time.time() < deadline and subprocess.run(["squeue", "-h"], env=self.env, capture_output=True,
+                                                            text=True).stdout.strip():
+                time.sleep(0.5)
+        daemons = []
+        for pid_file in [*self.dir.glob("slurmd-*.pid"), self.dir / "slurmctld.pid", self.dir / "munge" / "munged.pid"]:
+            with contextlib.suppress(OSError, ValueError, psutil.Error):
+                proc = psutil.Process(int(pid_file.read_text().split()[0]))
+                proc.send_signal(signal.SIGTERM)
+                daemons.append(proc)
+        _, alive = psutil.wait_procs(daemons, timeout=30)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
     def _conf(self) -> str:
-        d, cpus, ports = self.dir, os.cpu_count(), _free_ports(2)
+        d, ports = self.dir, free_ports(1 + len(self.nodes))
+        hardware = host_node_config(len(self.nodes))
+        node_lines = "\n".join(f"NodeName={name} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} "
+                               f"{hardware} State=UNKNOWN" for name, port in zip(self.nodes, ports[1:]))
         return f"""ClusterName=rollpacker-test
 SlurmctldHost={self.host}
 SlurmctldPort={ports[0]}
-SlurmdPort={ports[1]}
 SlurmUser=root
 AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
@@ -114,19 +168,19 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
+SlurmdLogFile={d}/log/slurmd-%n.log
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName={self.host} CPUs={cpus} RealMemory=20000 State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{node_lines}
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """Ports free now, so the test's daemons never take over a real cluster's 6817/6818."""
     socks = [socket.socket() for _ in range(n)]
     try:

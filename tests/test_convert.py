@@ -17,6 +17,12 @@ from rollpacker.hf_spec import parse_spec
 from megatron_ext.weights import iter_hf_tensors, load_hf_checkpoint, save_hf_checkpoint
 from rollpacker.testing import run_torchrun
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
+from tests.test_megatron_model import LOGPROB_GRAD_TOL, PARITY_ENTROPY_TOL, PARITY_LOGPROB_TOL
+
+# TP=2 splits the vocab-parallel log-softmax and the row-parallel matmuls into partial sums reduced
+# across ranks: another summation order, one more rounding. 10x the measured max differences (README:
+# |dlogp| 9.5e-7 at TP=2; |dH| 1.9e-6).
+TP2_LOGPROB_TOL, TP2_ENTROPY_TOL = 1e-5, 2e-5
 
 
 def assert_same_checkpoint(expected_dir, actual_dir):
@@ -102,8 +108,10 @@ def test_cli_mcore_round_trip(ckpts, tmp_path, kind):
 def test_cli_verify_passes_on_qwen3_at_tp1(ckpts, capsys, kind):
     assert main(["--verify", str(ckpts[kind])]) == 0
     line = capsys.readouterr().out.rstrip()
+    print(line)
     assert line.endswith("PASS") and "tp=1" in line
-    assert float(re.search(r"max \|dlogp\| = (\S+)", line).group(1)) < 1e-5
+    assert float(re.search(r"max \|dlogp\| = (\S+)", line).group(1)) < PARITY_LOGPROB_TOL
+    assert float(re.search(r"max \|dH\| = (\S+)", line).group(1)) < PARITY_ENTROPY_TOL
 
 
 def test_cli_verify_fails_with_exit_code_1(ckpts, capsys):
@@ -125,9 +133,10 @@ def test_under_torchrun_tp2_parity_cli_and_tp2_pp2_round_trips(ckpts, tmp_path, 
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     print(cli_line, result, sep="\n")
     assert "tp=2" in cli_line and cli_line.rstrip().endswith("PASS") and result["cli_exit_code"] == 0
-    assert float(re.search(r"max \|dlogp\| = (\S+)", cli_line).group(1)) < 1e-4
-    assert result["logprob_diff"] < 1e-4 and result["entropy_diff"] < 1e-4
-    assert result["logprob_value"] < 1e-5 and result["entropy_value"] < 1e-5 and result["grad"] < 1e-6
+    assert float(re.search(r"max \|dlogp\| = (\S+)", cli_line).group(1)) < TP2_LOGPROB_TOL
+    assert float(re.search(r"max \|dH\| = (\S+)", cli_line).group(1)) < TP2_ENTROPY_TOL
+    assert result["logprob_diff"] < TP2_LOGPROB_TOL and result["entropy_diff"] < TP2_ENTROPY_TOL
+    assert all(result[name] < bound for name, bound in LOGPROB_GRAD_TOL.items())
     for sizes in ("tp2", "pp2"):
         for kind, name in zip((tied, untied), ("tied", "untied")):
             assert_same_checkpoint(ckpts[kind], tmp_path / f"{sizes}_{name}")

@@ -38,15 +38,17 @@ class DiesOnStats:
 
 
 class Slow:
-    """An idle engine that takes a second to answer ``stats``."""
+    """An idle engine whose ``stats`` says on stdout that it has begun, then answers once its process
+    reads a line on stdin (the test's go)."""
 
     def active_request_ids(self) -> list[str]:
         return []
 
     def stats(self) -> str:
-        import time
+        import sys
 
-        time.sleep(1.0)
+        print("in stats", flush=True)
+        sys.stdin.readline()
         return "slow but alive"
 
 
@@ -72,7 +74,7 @@ def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
 def child(script: str) -> subprocess.Popen:
     """``script`` in a fresh interpreter; its first stdout line is read by the caller."""
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO_ROOT, text=True,
-                            stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}"})
 
 
@@ -131,13 +133,14 @@ def test_a_serving_rank_raises_when_the_coordinator_dies():
 def test_a_stream_training_rank_gets_what_was_sent_before_the_coordinator_died_then_an_error():
     inbox = GroupInbox()
     feeder = child(f"""
-        import os, signal, time
+        import os, signal
         import zmq
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect("tcp://127.0.0.1:{inbox.port}")
         sock.send_pyobj("group 1")
         sock.send_pyobj("group 2")
-        time.sleep(0.5)  # let both reach the inbox's queue before the connection drops
+        sock.close(linger=-1)
+        zmq.Context.instance().term()  # returns once both are written to the connection, ahead of its end
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     try:
@@ -150,13 +153,22 @@ def test_a_stream_training_rank_gets_what_was_sent_before_the_coordinator_died_t
 
 
 def test_a_slow_answer_is_not_a_hang_up():
-    """Only a closed connection counts: a peer that takes its time is waited for, up to the timeout."""
+    """Only a closed connection counts: a peer that takes its time is waited for, up to the timeout.
+    The patient call waits through the hasty one's whole timeout: the server answers only after it."""
     with served("Slow") as server:
-        patient, hasty = remote(server.port, 1, timeout_s=30), remote(server.port, 2, timeout_s=0.3)
+        patient, hasty = remote(server.port, 1, timeout_s=60), remote(server.port, 2, timeout_s=0.3)
+        answer: list[str] = []
+        waiting = threading.Thread(target=lambda: answer.append(patient.stats()), daemon=True)
         try:
-            assert patient.stats() == "slow but alive"
+            waiting.start()
+            assert server.stdout.readline() == "in stats\n"  # the server is in the patient call
             with pytest.raises(TimeoutError, match="engine 2 on rank 1 did not answer stats"):
                 hasty.stats()
+            assert waiting.is_alive() and not answer
+            server.stdin.write("go\n")
+            server.stdin.flush()
+            waiting.join(60)
+            assert answer == ["slow but alive"]
         finally:
             patient.shutdown()
             hasty.shutdown()

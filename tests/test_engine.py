@@ -119,6 +119,10 @@ def _megatron_logprobs(model_dir: Path, prompt: list[int], output: list[int]) ->
 # Each reference recomputes log p(token) of the engine's sequences at temperature 1; the
 # training model's own forward is the one RL users watch the mismatch against.
 LOGPROB_REFERENCES = {"transformers": _transformers_logprobs, "megatron": _megatron_logprobs}
+# 10x the measured max |delta| (README): 4.8e-7-9.5e-7 on the random models, one or two float32 ulps of
+# a log-prob in [-16, -4]; 4.2e-6 on the shipped policy, whose 4 layers of width 128 (not 2 of 64) sum
+# more terms in an order that the two sides' kernels (and so the CPU's vector width) choose differently.
+LOGPROB_TOLERANCE = {"policy": 4e-5}  # other models: 1e-5
 
 
 @pytest.mark.parametrize("reference", sorted(LOGPROB_REFERENCES))
@@ -131,8 +135,9 @@ def test_logprobs_match_reference_forward(model_dir, reference):
         c = got[f"r{i}"]
         ref = LOGPROB_REFERENCES[reference](model_dir, p, c.output_ids)
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
-    print(f"rollout vs {reference} log-prob max |delta| = {worst:.2e}")
-    assert worst < 1e-3
+    bound = LOGPROB_TOLERANCE.get(model_dir.name, 1e-5)
+    print(f"{model_dir.name}: rollout vs {reference} log-prob max |delta| = {worst:.2e} (bound {bound:.0e})")
+    assert worst < bound
 
 
 def test_seeded_sampling_is_independent_of_batch_composition(random_dir):
@@ -193,8 +198,10 @@ def test_kv_budget_below_demand_preempts_and_keeps_greedy_outputs(random_dir):
     got = _run(tight, _greedy(prompts, max_new=40))
     assert tight.stats().preemptions > 0
     assert {k: c.output_ids for k, c in got.items()} == {k: c.output_ids for k, c in free.items()}
-    for k, c in got.items():  # log-probs survive the recompute too
-        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(free[k].logprobs), atol=1e-5)
+    # log-probs survive the recompute too (a recomputed prefix is one batched forward, not token by token)
+    worst = max((torch.tensor(c.logprobs) - torch.tensor(free[k].logprobs)).abs().max().item() for k, c in got.items())
+    print(f"preempted vs unpreempted log-prob max |delta| = {worst:.2e}")
+    assert worst < 1e-5
 
 
 def test_bad_requests_are_refused_by_name_and_the_rest_served(random_dir):

@@ -90,4 +90,6 @@ def test_cli_tp2_under_torchrun_matches_tp1(model_dir, tmp_path):
                  timeout=300)
     tp1, tp2 = _read(tmp_path / "tp1.jsonl"), _read(tmp_path / "tp2.jsonl")
     assert [r["output_ids"] for r in tp2] == [r["output_ids"] for r in tp1]
-    assert max(abs(a - b) for x, y in zip(tp1, tp2) for a, b in zip(x["logprobs"], y["logprobs"])) < 1e-4
+    worst = max(abs(a - b) for x, y in zip(tp1, tp2) for a, b in zip(x["logprobs"], y["logprobs"]))
+    print(f"TP=2 vs TP=1 log-prob max |delta| = {worst:.2e}")
+    assert worst < 5e-6  # 10x the 4.8e-7 measured: TP=2 sums the row-parallel matmuls in two halves

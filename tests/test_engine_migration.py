@@ -52,9 +52,11 @@ def test_evicted_requests_continue_elsewhere_with_the_same_tokens():
     finished.update(_drain(target))
 
     assert finished.keys() == expected.keys()
+    worst = max(abs(a - b) for rid, c in expected.items() for a, b in zip(finished[rid].logprobs, c.logprobs))
+    print(f"migrated vs unmigrated log-prob max |delta| = {worst:.2e}")
+    assert worst < 2e-5  # 10x the 2.2e-6 measured: the target rebuilds the moved tokens' KV in one prefill
     for rid, c in expected.items():
         assert finished[rid].output_ids == c.output_ids, rid
-        assert finished[rid].logprobs == pytest.approx(c.logprobs, abs=1e-4)
         assert finished[rid].finish_reason == c.finish_reason
 
 

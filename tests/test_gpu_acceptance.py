@@ -12,10 +12,11 @@ import subprocess
 
 import pytest
 
+from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
 
-@pytest.mark.timeout(1600)  # over pytest.ini's 900 s: its own subprocess limit is 1500 s
+@pytest.mark.timeout(1600)  # its own subprocess limit is 1500 s
 def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
     proc = subprocess.run([str(sglang_python()), "-m", "bench.gpu_acceptance", "--device", "cpu",
                            "--out", str(tmp_path)], cwd=REPO, env=engine_env(), capture_output=True, text=True,
@@ -25,17 +26,16 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
     failed = {k: v.get("error") or v for k, v in results["checks"].items() if not v["ok"]}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:])
     checks = results["checks"]
-    assert len(checks) == 20, sorted(checks)
+    assert len(checks) == 14, sorted(checks)  # per-subject checks on the policy only (Sizes.per_subject_on_shape)
     assert checks["policy/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     assert checks["policy/gradient_parity"]["fp32"]["rel_l2_err"] < 1e-6  # CPU against itself: identical
     assert checks["policy/engine_greedy_parity"]["equal_tokens"] == checks["policy/engine_greedy_parity"]["tokens"]
-    for subject in ("policy", "tiny-random"):
-        engine = checks[f"{subject}/sglang_engine"]
-        assert engine["dtype"] == "float32"
-        assert engine["kv"]["engine_tokens"] == engine["kv"]["planned_tokens"] == 8192
-        assert engine["greedy"]["equal_tokens"] == engine["greedy"]["tokens"] == 8 * 32
-        assert engine["push"]["changes_output"] and engine["push"]["equal_tokens"] == 8 * 32
-        assert engine["release"]["output_unchanged"]
+    engine = checks["policy/sglang_engine"]
+    assert engine["dtype"] == "float32"
+    assert engine["kv"]["engine_tokens"] == engine["kv"]["planned_tokens"] == 8192
+    assert engine["greedy"]["equal_tokens"] == engine["greedy"]["tokens"] == 8 * 32
+    assert engine["push"]["changes_output"] and engine["push"]["equal_tokens"] == 8 * 32
+    assert engine["release"]["output_unchanged"]
     rows = checks["tiny-random/sglang_throughput"]["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["tokens_per_s"] > 0 and r["reference_tokens_per_s"] > 0 for r in rows)
@@ -46,7 +46,7 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
             assert all(b > 0 for b in mode["sync_bytes"]) and mode["sync_ok"], mode
     sglang_sync = [v for m in checks["program/sglang_baseline_vs_tail_batching"]["modes"].values()
                    for v in m["sync_check"]]
-    print("sglang program: train/logprob_mismatch per step", sglang_sync)
-    assert max(sglang_sync) < 1e-4
+    print("sglang program: train/logprob_mismatch_max per step", sglang_sync)
+    assert max(sglang_sync) < CPU_SYNC_BOUND
     report = (tmp_path / "acceptance.md").read_text()
     assert "| policy/gradient_parity | ok |" in report and "| policy/sglang_engine | ok |" in report

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from rollpacker.configlib import ConfigError, build
+from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.grpo import (LossSums, denominator, group_advantages, grpo_token_loss, k3_kl, step_metrics,
                                      token_weights)
 
@@ -99,7 +101,7 @@ def test_sums_split_anywhere_then_normalised_globally(aggregation):
                                old_logprobs=old[rows], sequence_starts=starts[rows], **kw).detached()
 
     whole, split = part([0, 1]), part([1]) + part([0])
-    roundtrip = LossSums.from_vector(split.as_vector())
+    roundtrip = LossSums.from_vectors(*split.as_vectors())
     assert step_metrics(roundtrip, aggregation) == pytest.approx(step_metrics(whole, aggregation), nan_ok=True)
 
 
@@ -108,9 +110,99 @@ def test_mismatch_metric_ignores_missing_engine_logprobs():
     rollout = torch.tensor([-1.5, float("nan"), -2.0])
     sums = grpo_token_loss(logp, advantages=torch.ones(3), loss_mask=torch.ones(3), weights=torch.ones(3),
                            clip_low=CLIP_LOW, clip_high=CLIP_HIGH, rollout_logprobs=rollout)
-    assert step_metrics(sums.detached(), "token_mean")["logprob_mismatch"] == pytest.approx(0.75)
+    metrics = step_metrics(sums.detached(), "token_mean")
+    assert metrics["logprob_mismatch"] == pytest.approx(0.75)
+    assert metrics["logprob_mismatch_max"] == pytest.approx(1.0)  # the third token's, not the missing one's
+
+
+def test_mismatch_maximum_survives_summing_micro_batches():
+    """The sync check asserts the largest per-token gap: adding micro-batches keeps the maximum."""
+    def part(logp, rollout):
+        return grpo_token_loss(torch.tensor(logp), advantages=torch.ones(2), loss_mask=torch.ones(2),
+                               weights=torch.ones(2), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                               rollout_logprobs=torch.tensor(rollout)).detached()
+
+    total = part([-1.0, -2.0], [-1.0, -2.5]) + part([-1.0, -1.0], [-1.1, -1.0])
+    sums, maxima = total.as_vectors()
+    metrics = step_metrics(LossSums.from_vectors(sums, maxima), "token_mean")
+    print("mean", metrics["logprob_mismatch"], "max", metrics["logprob_mismatch_max"])
+    assert metrics["logprob_mismatch_max"] == pytest.approx(0.5)
+    assert metrics["logprob_mismatch"] == pytest.approx(0.6 / 4)
 
 
 def test_bad_aggregation_is_refused():
     with pytest.raises(ValueError, match="token_mean"):
         token_weights([1], "mean")
+
+
+def _three_tokens(log_ratios, advantages):
+    logp = torch.tensor(log_ratios, dtype=torch.float64).requires_grad_()
+    return logp, torch.zeros(3, dtype=torch.float64), torch.tensor(advantages, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("clip_ratio_c,expected_loss,expected_grad,dual_frac", [
+    # A = [-1, -1, +1], r = [5, 2, 5]: max(-A r, -A clip(r)) = [5, 2, -1.28]; the dual clip caps the first at
+    # -A * 3 = 3 (no gradient there); r = 2 stays under the cap; A > 0 is never dual-clipped
+    (3.0, [3.0, 2.0, -1.28], [0.0, 2.0, 0.0], 1 / 3),
+    (None, [5.0, 2.0, -1.28], [5.0, 2.0, 0.0], 0.0),
+])
+def test_dual_clip_caps_negative_advantage_tokens(clip_ratio_c, expected_loss, expected_grad, dual_frac):
+    logp, old, adv = _three_tokens([math.log(5.0), math.log(2.0), math.log(5.0)], [-1.0, -1.0, 1.0])
+    per_token = []
+    for i in range(3):  # one token at a time gives the per-token losses
+        one = torch.zeros(3, dtype=torch.float64)
+        one[i] = 1.0
+        per_token.append(float(grpo_token_loss(logp.detach(), advantages=adv, loss_mask=one, weights=one,
+                                               clip_low=CLIP_LOW, clip_high=CLIP_HIGH, clip_ratio_c=clip_ratio_c,
+                                               old_logprobs=old).objective))
+    sums = grpo_token_loss(logp, advantages=adv, loss_mask=torch.ones(3), weights=torch.ones(3, dtype=torch.float64),
+                           clip_low=CLIP_LOW, clip_high=CLIP_HIGH, clip_ratio_c=clip_ratio_c, old_logprobs=old)
+    sums.objective.backward()
+    metrics = step_metrics(sums.detached(), "token_mean")
+    print(f"clip_ratio_c={clip_ratio_c}: per-token loss {per_token}, grad {logp.grad.tolist()}, "
+          f"dual_clip_frac {metrics['dual_clip_frac']}, clip_frac {metrics['clip_frac']}")
+    assert per_token == pytest.approx(expected_loss, abs=1e-12)
+    assert logp.grad.tolist() == pytest.approx(expected_grad, abs=1e-12)
+    assert metrics["dual_clip_frac"] == pytest.approx(dual_frac)
+    assert metrics["clip_frac"] == pytest.approx(1 / 3)  # only the A > 0 token at r = 5 is clipped at 1.28
+
+
+def test_log_ratio_is_clamped_before_exp():
+    """log(pi/pi_old) = 40 with A = -1: the ratio is exp(20), not exp(40), and the clamped token has no gradient."""
+    logp, old, adv = _three_tokens([40.0, 0.0, 0.0], [-1.0, 0.0, 0.0])
+    sums = grpo_token_loss(logp, advantages=adv, loss_mask=torch.tensor([1.0, 0.0, 0.0]),
+                           weights=torch.ones(3, dtype=torch.float64), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                           old_logprobs=old)
+    sums.objective.backward()
+    print(f"log-ratio 40, A=-1: loss {float(sums.objective):.6g} (exp(20) = {math.exp(20):.6g}, "
+          f"exp(40) = {math.exp(40):.6g}), grad {logp.grad.tolist()}")
+    assert float(sums.objective) == pytest.approx(math.exp(20.0), rel=1e-12)
+    assert logp.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_k3_kl_is_clamped():
+    """ref - logp = +30 and -30: d is clamped to +-20, then the k3 value to 10 (unclamped: 1.07e13 and 29)."""
+    logp = torch.tensor([-31.0, 0.0, -1.0], dtype=torch.float64).requires_grad_()
+    ref = torch.tensor([-1.0, -30.0, -1.0], dtype=torch.float64)
+    kl = k3_kl(logp.detach(), ref)
+    sums = grpo_token_loss(logp, advantages=torch.zeros(3), loss_mask=torch.ones(3),
+                           weights=torch.ones(3, dtype=torch.float64), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                           ref_logprobs=ref, kl_coef=0.1)
+    sums.objective.backward()
+    print(f"k3 at gaps +30, -30, 0: {kl.tolist()}; objective {float(sums.objective)}, grad {logp.grad.tolist()}")
+    assert kl.tolist() == [10.0, 10.0, 0.0]
+    assert float(sums.objective) == pytest.approx(0.1 * 20.0, abs=1e-12)
+    assert float(sums.kl) == pytest.approx(20.0, abs=1e-12)
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, -3.0])
+def test_clip_ratio_c_at_most_one_is_refused(value):
+    with pytest.raises(ConfigError, match=rf"x.yaml: trainer.clip_ratio_c must be > 1 .* got {value}"):
+        build(TrainerConfig, {"clip_ratio_c": value}, where="trainer", source="x.yaml")
+
+
+def test_clip_ratio_c_is_off_unless_set():
+    assert build(TrainerConfig, {}, where="trainer", source="x.yaml").clip_ratio_c is None
+    assert build(TrainerConfig, {"clip_ratio_c": None}, where="trainer", source="x.yaml").clip_ratio_c is None
+    assert build(TrainerConfig, {"clip_ratio_c": 3}, where="trainer", source="x.yaml").clip_ratio_c == 3.0

@@ -19,6 +19,12 @@ from tests.dist.megatron_convert_checks import logprob_grad_errors
 from tests.dist.megatron_fixtures import ckpts, layout  # noqa: F401  (pytest fixtures)
 
 
+# fp32 parity with transformers: 10x the measured max differences (README: |dlogp| 4.8e-7, one float32
+# ulp of a log-prob in [-8, -4]; |dH| 1.4e-6), so a few ulps more from another CPU's summation order
+# (its vector width picks how matmuls and log-softmax accumulate) pass and a real mismatch does not.
+PARITY_LOGPROB_TOL, PARITY_ENTROPY_TOL = 5e-6, 1.5e-5
+
+
 @pytest.mark.parametrize("kind", ["tied", "untied", "qwen3", "qwen3_tied"])
 def test_logprob_parity_with_transformers(ckpts, layout, kind):
     spec = parse_spec(ckpts[kind])
@@ -27,7 +33,7 @@ def test_logprob_parity_with_transformers(ckpts, layout, kind):
     assert spec.tie_word_embeddings == (kind in ("tied", "qwen3_tied"))
     parity = verify(ckpts[kind], layout)
     print(f"TP=1 {kind}: max |dlogp| = {parity.logprob_diff:.3e}, max |dH| = {parity.entropy_diff:.3e}")
-    assert parity.logprob_diff < 1e-4 and parity.entropy_diff < 1e-4
+    assert parity.logprob_diff < PARITY_LOGPROB_TOL and parity.entropy_diff < PARITY_ENTROPY_TOL
 
 
 def test_qwen3_model_has_per_head_qk_norms_and_no_qkv_bias(ckpts, layout):
@@ -73,7 +79,7 @@ def test_parity_check_catches_a_wrong_qkv_layout(ckpts, layout, monkeypatch):
 def test_bf16_parity_with_transformers_bf16(ckpts, layout):
     parity = verify(ckpts["untied"], layout, params_dtype=torch.bfloat16)
     print(f"TP=1 bf16: max |dlogp| = {parity.logprob_diff:.3e}")
-    assert parity.logprob_diff < 2e-2
+    assert parity.logprob_diff < 2e-2  # 10x the 2.0e-3 measured: bf16 rounds both sides at 8 mantissa bits
 
 
 def test_tied_model_has_no_separate_output_weight(ckpts, layout):
@@ -92,7 +98,12 @@ def test_logprobs_and_entropy_mask_padding_and_match_log_softmax(layout, chunk, 
     from megatron_ext import logprobs
     monkeypatch.setattr(logprobs, "CHUNK_TOKENS", chunk)
     errors = logprob_grad_errors(layout, vocab=vocab)
-    assert errors["logprob_value"] < 1e-5 and errors["entropy_value"] < 1e-5 and errors["grad"] < 1e-6
+    print(f"vocab {vocab}, chunk {chunk}: max errors {errors}")
+    assert all(errors[name] < bound for name, bound in LOGPROB_GRAD_TOL.items())
+
+
+# 10x the measured max errors against log_softmax (4.8e-7, 9.5e-7, 7.5e-8), here and at TP=2 (test_convert.py).
+LOGPROB_GRAD_TOL = {"logprob_value": 5e-6, "entropy_value": 1e-5, "grad": 1e-6}
 
 
 def test_model_init_is_reproducible_from_the_layout_seed(ckpts):
@@ -172,9 +183,12 @@ def test_sdpa_core_attention_matches_megatron_dot_product_attention(ckpts, layou
         outputs.append((out.detach(), *(t.grad.clone() for t in (q, k, v))))
         for t in (q, k, v):
             t.grad = None
+    worst = 0.0
     for ref, got in zip(*outputs):
         assert ref.shape == got.shape
-        assert (ref - got).abs().max().item() < 1e-5
+        worst = max(worst, (ref - got).abs().max().item())
+    print(f"SDPA vs Megatron attention, output and q/k/v gradients: max |delta| = {worst:.2e}")
+    assert worst < 1e-5  # 2.6x the 3.8e-6 measured: the gradients of a squared output reach |x| ~ 100
 
 
 def test_megatron_attention_switches_every_layer_back_and_the_model_output_agrees(ckpts, layout):
@@ -188,7 +202,9 @@ def test_megatron_attention_switches_every_layer_back_and_the_model_output_agree
         assert switched == model.config.num_layers
         reference = model(ids, positions, attention_mask=None)
     assert all(type(layer.self_attention.core_attention) is SDPADotProductAttention for layer in model.decoder.layers)
-    assert (fused - reference).abs().max().item() < 1e-5
+    worst = (fused - reference).abs().max().item()
+    print(f"model output, SDPA vs Megatron attention: max |delta| = {worst:.2e}")
+    assert worst < 1.5e-6  # 10x the 1.5e-7 measured
 
 
 def test_packed_thd_forward_equals_each_sequence_alone(ckpts, layout):
@@ -215,10 +231,13 @@ def test_packed_thd_forward_equals_each_sequence_alone(ckpts, layout):
     (sum((packed[a:a + n] * weights[a:a + n]).sum() for a, n in zip(starts, lengths))).backward()
     packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
+    worst = 0.0
     for s, start, n in zip(samples, starts, lengths):
         ids = torch.tensor([s.prompt.input_ids + s.response_ids])
         alone = model(ids, torch.arange(n)[None], attention_mask=None)[0]
-        assert (packed[start:start + n] - alone).abs().max().item() < 1e-5
+        worst = max(worst, (packed[start:start + n] - alone).abs().max().item())
         (alone * weights[start:start + n]).sum().backward()
-    for name, p in model.named_parameters():
-        assert (packed_grads[name] - p.grad).abs().max().item() <= 1e-5 * (1 + p.grad.abs().max().item()), name
+    worst_grad = max((packed_grads[name] - p.grad).abs().max().item() / (1 + p.grad.abs().max().item())
+                     for name, p in model.named_parameters())
+    print(f"packed vs alone: output max |delta| = {worst:.2e}, gradients max |delta| / (1 + max |g|) = {worst_grad:.2e}")
+    assert worst < 2e-6 and worst_grad < 3e-6  # 10x the 1.8e-7 and 3.3e-7 measured

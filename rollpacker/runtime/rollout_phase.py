@@ -19,8 +19,8 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from rollpacker.coordinator import ROUND_END, TO_TRAINING, EngineServer, GroupFeed, GroupInbox, RemoteEngine, \
-    exchange_endpoints
+from rollpacker.coordinator import ROUND_END, TO_TRAINING, Bell, EngineServer, GroupFeed, GroupInbox, \
+    RemoteEngine, exchange_endpoints
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.rollout.engine import RolloutEngine
 from rollpacker.runtime.engines import EngineSets
@@ -44,6 +44,14 @@ class RolloutPhase:
         self.server, self.inbox = EngineServer(), GroupInbox()
         self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=engines.world.control)
         self._proxies: dict[tuple[int, int], RemoteEngine] = {}
+        self.bell = Bell() if self.rank == 0 else None  # servers with completions ring it: no polling every engine
+        if self.rank == 0:  # every engine's proxy now, while every rank is alive: ZeroMQ reports a
+            # connection that closed, but one first made to a rank already gone would just never
+            # complete, and rank 0 would wait on it for good (a node lost before a TP size's first round)
+            for tp, layout in sorted(engines.world.rollout.items()):
+                for engine_id, leader in enumerate(layout.leaders):
+                    if leader != 0 and tp in engines.engines:
+                        self._proxy(tp, engine_id, leader)
         self.streaming = None
         if self.rank == 0 and replica_of is not None:
             self.streaming = StreamFeed(GroupFeed(self.endpoints), self.inbox, replica_of, low=trigger[0],
@@ -110,12 +118,14 @@ class RolloutPhase:
     def _proxy(self, tp: int, engine_id: int, leader: int) -> RemoteEngine:
         key = (tp, engine_id)
         if key not in self._proxies:
-            self._proxies[key] = RemoteEngine(self.endpoints[leader], engine_id)
+            self._proxies[key] = RemoteEngine(self.endpoints[leader], engine_id, bell=self.bell)
         return self._proxies[key]
 
     def close(self) -> None:
         for proxy in self._proxies.values():
             proxy.shutdown()
+        if self.bell is not None:
+            self.bell.close()
         if self.streaming:
             self.streaming.feed.close()
         self._acks.close()

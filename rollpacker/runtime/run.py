@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch.distributed as dist
 
 from megatron_ext.parallel import setup_layout
-from rollpacker.checkpoint import CheckpointManager
-from rollpacker.configlib import to_dict
+from rollpacker.checkpoint import CheckpointManager, FileFault
+from rollpacker.configlib import ConfigError, to_dict
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
 from rollpacker.phases import Phase, PhaseMachine
 from rollpacker.reward import RewardPool
+from rollpacker.rollout_report import TABLE_COLUMNS, completion_rows, plot_gantt
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.eval_phase import EvalPhase
 from rollpacker.runtime.ledger import PromptLedger
-from rollpacker.runtime.preflight import Preflight
+from rollpacker.runtime.preflight import Preflight, check_weights
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.runtime.rollout_phase import RolloutPhase, broadcast_groups
 from rollpacker.runtime.streaming import replica_of_ranks
@@ -39,6 +42,7 @@ log = logging.getLogger("rollpacker")
 class Run:
     def __init__(self, pre: Preflight, world: World):
         cfg, self.cfg, self.world, self.run_dir = pre.cfg, pre.cfg, world, pre.run_dir
+        self.tokenizer = pre.tokenizer
         self.timeline = Timeline(world.rank)
         planner = cfg.scheduler.planner
         tp_sizes = planner.tp_choices(world.size, cfg.rollout.tp)
@@ -78,21 +82,26 @@ class Run:
 
     # --- resume ----------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Restore the latest checkpoint if there is one; returns the last completed step."""
-        step = self.ckpt.latest()
-        if step is not None:
-            rank_state, shared = self.ckpt.load(step)
-            self.trainer.load_state_dict(rank_state["trainer"])
-            if self.coordinator:
-                self.dataset.load_state_dict(shared["data"])
-                self.scheduler.load_state_dict(shared["scheduler"])
-                self.pool.load_state_dict(shared["reward"])
-            log.info("resumed from step %d (%s)", step, self.ckpt.path(step))
-        if self.coordinator:
-            self.ledger = PromptLedger(self.run_dir, resume_step=step or 0)
-            self.metrics = MetricsLogger(self.run_dir, rank=0, wandb_mode=self.cfg.run.wandb,
-                                         project=self.cfg.run.wandb_project, name=self.cfg.run.name,
-                                         config=to_dict(self.cfg), resume_step=step or 0)
+        """Restore the newest checkpoint that every rank finds intact (or ``run.resume_from``); returns its
+        step, 0 without one. No intact checkpoint, or a damaged record, stops the run with one message."""
+        with self.stops_on_file_faults():
+            step = self.ckpt.resume_step(self.cfg.run.resume_from)
+            if step is not None:
+                rank_state, shared = self.ckpt.load(step)
+                self.trainer.load_state_dict(rank_state["trainer"])
+                if self.coordinator:
+                    self.dataset.load_state_dict(shared["data"])
+                    self.scheduler.load_state_dict(shared["scheduler"])
+                    self.pool.load_state_dict(shared["reward"])
+                log.info("resumed from step %d (%s)", step, self.ckpt.path(step))
+
+            def open_records() -> None:  # a torn last line is dropped (and logged), other damage refused
+                if self.coordinator:
+                    self.ledger = PromptLedger(self.run_dir, resume_step=step or 0)
+                    self.metrics = MetricsLogger(self.run_dir, rank=0, wandb_mode=self.cfg.run.wandb,
+                                                 project=self.cfg.run.wandb_project, name=self.cfg.run.name,
+                                                 config=to_dict(self.cfg), resume_step=step or 0)
+            self.ckpt.agreed(open_records)
         # an eval logged after the checkpoint's step is kept with it and not repeated; one cut short is
         self.eval_phase.share_done(self.metrics.steps_with("eval/") if self.coordinator else None,
                                    self.world.control)
@@ -174,20 +183,21 @@ class Run:
                 self.seconds["time/checkpoint_s"] = time.monotonic() - checkpoint_started
             self.seconds["time/step_s"] = time.monotonic() - self._step_started  # wall time, checkpoint included
             if self.coordinator:
-                image = plot_timeline(spans, self.run_dir / "timeline" / f"step_{step:06d}.png", f"step {step}")
                 self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
-                self.metrics.log(step, self._step_metrics(result, train_metrics), timeline=image)
+                metrics = self._step_metrics(result, train_metrics)
+                self.metrics.log(step, metrics, **self._step_media(step, spans, result))
                 s = result.stats
                 log.info("step %d/%d %s tp=%d rollout %.1fs reward %.3f loss %.4f queue %d", step,
                          self.cfg.run.steps, result.kind.value, result.tp, s.rollout_seconds, self._last_reward,
                          train_metrics.get("loss", 0.0), s.queue_length)
 
-        if stop or (every and step % every == 0) or step == self.cfg.run.steps:
-            with self.timeline.span("checkpoint"):
-                started = time.monotonic()
-                self.save(step, before_commit=lambda: record(started))
-        else:
-            record()
+        with self.stops_on_file_faults():  # a full disk: the checkpoint or the step's records
+            if stop or (every and step % every == 0) or step == self.cfg.run.steps:
+                with self.timeline.span("checkpoint"):
+                    started = time.monotonic()
+                    self.save(step, before_commit=lambda: record(started))
+            else:
+                self.ckpt.agreed(record)
         self.seconds = {}
         return stop
 
@@ -196,15 +206,39 @@ class Run:
         if self.coordinator:
             shared = {"step": step, "data": self.dataset.state_dict(), "scheduler": self.scheduler.state_dict(),
                       "reward": self.pool.state_dict()}
-        self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared,
-                       export=lambda ckpt_dir: self.trainer.save_hf(ckpt_dir / "hf"), before_commit=before_commit)
+        self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared, export=self._export_hf,
+                       before_commit=before_commit)
+
+    def _export_hf(self, ckpt_dir: Path) -> None:
+        """The policy as an HF directory in the checkpoint, checked as model.path is at preflight."""
+        self.trainer.save_hf(ckpt_dir / "hf")
+        if self.coordinator:
+            try:
+                check_weights(ckpt_dir / "hf", f"the HF export of {ckpt_dir.name}")
+            except ConfigError as exc:
+                raise FileFault(str(exc)) from None
+
+    @contextlib.contextmanager
+    def stops_on_file_faults(self) -> Iterator[None]:
+        """A FileFault comes on every rank at once (they agreed on it): rank 0 prints it, every rank
+        closes its engines and workers and exits 2; one message instead of a traceback per rank."""
+        try:
+            yield
+        except FileFault as exc:
+            if self.coordinator:
+                print(f"rollpacker: stopped: {exc}", file=sys.stderr, flush=True)
+            dist.barrier(group=self.world.control)  # printed before any rank exits and torchrun ends the rest
+            self.close()
+            self.world.shutdown()
+            raise SystemExit(2) from None
 
     def close(self) -> None:
         self.rollout_phase.close()
         self.engines.shutdown()
         if self.coordinator:
             self.pool.close()
-            self.metrics.close()
+            if hasattr(self, "metrics"):  # not opened when the resume was refused
+                self.metrics.close()
 
     # --- helpers ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -214,6 +248,21 @@ class Run:
             yield
         span, key = self.timeline.spans[-1], f"time/{phase}_s"
         self.seconds[key] = self.seconds.get(key, 0.0) + span.end - span.start
+
+    def _step_media(self, step: int, spans: list, result: RoundResult) -> dict[str, Any]:
+        """The step's timeline and rollout Gantt (files in RUN_DIR/timeline/), and on every
+        ``run.log_samples_every``-th step its completions table (W&B only)."""
+        timeline = self.run_dir / "timeline"
+        media: dict[str, Any] = {"images": {
+            "perf/timeline": plot_timeline(spans, timeline / f"step_{step:06d}.png", f"step {step}"),
+            "rollout/gantt": plot_gantt(result.trace, timeline / f"step_{step:06d}_requests.png",
+                                        f"step {step}: {result.kind.value} round, engine TP {result.tp}, "
+                                        f"{len(result.trace.requests)} requests")}}
+        every = self.cfg.run.log_samples_every
+        if every and step % every == 0:
+            rows = completion_rows(step, result, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+            media["tables"] = {"rollout/completions": (TABLE_COLUMNS, rows)}
+        return media
 
     def _step_metrics(self, result: RoundResult, train: dict[str, float]) -> dict[str, Any]:
         s = result.stats

@@ -3,7 +3,10 @@
 ``RolloutEngine.poll`` is the only call that advances an engine. On a real
 clock the driver polls every engine without blocking and, after a sweep that
 returned nothing, lets one engine block briefly (round robin) so that a
-waiting scheduler does not spin. On a ``VirtualClock`` nothing moves by
+waiting scheduler does not spin. Remote engines that announce their
+completions on a shared bell (``Announcing``) are polled only when they rang,
+and a driver with no local engine waits on the bell: its cost then grows with
+the completions, not with the engines or the length of the round. On a ``VirtualClock`` nothing moves by
 itself: the driver asks every ``EventSource`` (simulated engines, a reward
 model with latency) for its next event, advances the clock to the earliest,
 then polls every engine, which simulates itself up to the new time.
@@ -17,7 +20,10 @@ from typing import Iterable, Sequence
 
 from rollpacker.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
-from rollpacker.scheduler.protocols import EventSource
+from rollpacker.scheduler.protocols import Announcing, EventSource
+
+# with bells, every engine is polled anyway after this long without news: a lost ring cannot stall a round
+_FULL_SWEEP_AFTER_S = 5.0
 
 
 class StalledError(RuntimeError):
@@ -39,12 +45,23 @@ class EngineDriver:
                 raise TypeError(f"engines {not_simulated} do not implement next_event_time(); "
                                 "a VirtualClock needs simulated engines")
         self._event_sources = [*engines, *(s for s in event_sources if isinstance(s, EventSource))]
+        bells = {id(e.bell): e.bell for e in engines if isinstance(e, Announcing) and e.bell is not None}
+        if len(bells) > 1:
+            raise ValueError("a round's remote engines must share one bell")
+        self._bell = next(iter(bells.values()), None)
+        self._by_token = {e.bell_token: i for i, e in enumerate(engines)
+                          if isinstance(e, Announcing) and e.bell is not None}
+        self._local = [i for i in range(len(engines)) if i not in self._by_token.values()]
+        self._last_news = time.monotonic()
         self._owner: dict[str, int] = {}  # outstanding request id -> engine index
         self._load = [0] * len(engines)  # outstanding requests per engine
         self._prompt_tokens = [0] * len(engines)
         self._tokens_of: dict[str, int] = {}
         self._next_blocking = 0
         self._retired: dict[int, tuple[float, EngineStats]] = {}  # engine -> (when, its final stats)
+        # request id -> [engine, submitted, released (None while outstanding)] per engine that held it:
+        # the rollout Gantt of the step (a migrated request has two)
+        self.placements: dict[str, list[list]] = defaultdict(list)
         # slot accounting
         self._start = clock.now()
         self._last = self._start
@@ -53,6 +70,10 @@ class EngineDriver:
         stats = [e.stats() for e in engines]
         self._preemptions0 = [s.preemptions for s in stats]
         self._tokens0 = [s.tokens_generated for s in stats]
+
+    @property
+    def engines(self) -> int:
+        return len(self._engines)
 
     @property
     def outstanding(self) -> int:
@@ -75,6 +96,7 @@ class EngineDriver:
             load, toks, i = heapq.heappop(heap)
             batches[i].append(req)
             self._owner[req.request_id] = i
+            self.placements[req.request_id].append([i, self._last, None])
             self._tokens_of[req.request_id] = len(req.input_ids) + len(req.resume_ids)
             heapq.heappush(heap, (load + 1, toks + self._tokens_of[req.request_id], i))
         for i, batch in batches.items():
@@ -112,10 +134,12 @@ class EngineDriver:
 
     def poll(self) -> list[Completion]:
         """Advance the engines; return the completions of outstanding requests."""
-        active = [e for i, e in enumerate(self._engines) if i not in self._retired]
+        active = [e for i, e in enumerate(self._engines) if i not in self._retired] if self._bell is None else []
         if self._virtual:
             self._advance_virtual_clock()
             raw = [c for e in active for c in e.poll(0.0)]
+        elif self._bell is not None:
+            raw = self._poll_announced()
         else:
             raw = [c for e in active for c in e.poll(0.0)]
             if not raw and self._owner:
@@ -129,6 +153,29 @@ class EngineDriver:
                 self._release(c.request_id)
                 done.append(c)
         return done
+
+    def _poll_announced(self) -> list[Completion]:
+        """Local engines and the remote ones that rang; with nothing and no local engine, wait on the bell."""
+        local = [i for i in self._local if i not in self._retired]
+        if time.monotonic() - self._last_news > _FULL_SWEEP_AFTER_S:
+            polled = [i for i in range(len(self._engines)) if i not in self._retired]
+            self._last_news = time.monotonic()
+        else:
+            polled = local + self._rung(self._bell.rung())
+        raw = [c for i in polled for c in self._engines[i].poll(0.0)]
+        if not raw and self._owner:
+            if local:
+                engine = self._engines[local[self._next_blocking % len(local)]]
+                self._next_blocking += 1
+                raw = engine.poll(self._idle_poll_s)
+            else:
+                raw = [c for i in self._rung(self._bell.rung(self._idle_poll_s)) for c in self._engines[i].poll(0.0)]
+        if raw or not self._owner:
+            self._last_news = time.monotonic()
+        return raw
+
+    def _rung(self, tokens: set[int]) -> list[int]:
+        return [i for i in (self._by_token.get(t) for t in tokens) if i is not None and i not in self._retired]
 
     def wait_for_time(self) -> None:
         """Wait for something other than the engines (reward scores): on a
@@ -163,6 +210,7 @@ class EngineDriver:
 
     def _release(self, rid: str) -> int:
         i = self._owner.pop(rid)
+        self.placements[rid][-1][2] = self._clock.now()
         self._load[i] -= 1
         self._prompt_tokens[i] -= self._tokens_of.pop(rid)
         return i

@@ -29,7 +29,8 @@ class Score(Protocol):
 
 
 class ScoreFuture(Protocol):
-    """The subset of ``concurrent.futures.Future`` the scheduler uses."""
+    """The subset of ``concurrent.futures.Future`` the scheduler uses. A future that also has
+    ``add_done_callback`` (the reward pool's) tells the scheduler when it is done; others are asked."""
 
     def done(self) -> bool: ...
 
@@ -51,3 +52,14 @@ class EventSource(Protocol):
     """
 
     def next_event_time(self) -> float | None: ...
+
+
+@runtime_checkable
+class Announcing(Protocol):
+    """A remote engine whose server rings a bell shared with others when completions wait for a
+    poll (``coordinator.Bell``): the driver polls it only when its token rang, and waits on the
+    bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
+
+    bell: Any
+    bell_token: int
+

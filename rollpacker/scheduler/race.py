@@ -22,6 +22,7 @@ after the round closes; ``on_group_done`` then fires after that stage.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import zlib
 
@@ -34,7 +35,7 @@ from rollpacker.scheduler.clock import Clock
 from rollpacker.scheduler.dispatch import EngineDriver, StalledError
 from rollpacker.scheduler.handoff import HandoffTrigger
 from rollpacker.scheduler.protocols import RewardSink, ScoreFuture
-from rollpacker.scheduler.round import RoundPlan, RoundResult, RoundStats
+from rollpacker.scheduler.round import Outcome, RequestTrace, RoundPlan, RoundResult, RoundStats, RoundTrace
 
 GroupCallback = Callable[[list[Sample]], None]
 
@@ -56,6 +57,7 @@ class _Group:
     ready: list[Sample] = field(default_factory=list)  # generated (and scored, if async), in order
     scoring: dict[str, tuple[Sample, ScoreFuture]] = field(default_factory=dict)
     complete: bool = False
+    kept: bool = False
 
 
 class RoundRunner:
@@ -75,15 +77,20 @@ class RoundRunner:
         self.filtered: list[Prompt] = []
         self.filtered_tokens: list[int] = []
         self.scoring_groups: set[int] = set()  # indices into self.groups with futures pending
+        # a future with add_done_callback (the reward pool's) names its group here once done (from the
+        # pool's thread); the others' groups are polled: checking every pending future each loop is
+        # quadratic in a round's requests
+        self.scored: collections.deque[int] = collections.deque()
+        self.polled_groups: set[int] = set()
         self.handoff = handoff
         self.requests: dict[str, GenerationRequest] = {}
         self.finished = [0, 0]  # requests finished generating, their response tokens
         self.migrated = [0, 0]  # requests moved off released engines, the tokens they carried
+        self.handed_off: tuple[float, tuple[int, ...]] | None = None  # when, which engines
 
     def run(self) -> RoundResult:
         start = self.clock.now()
-        for prompt in self.plan.prompts:
-            self._launch(prompt)
+        self._launch(*self.plan.prompts)  # one submit: one message per engine, not per prompt and engine
         while not self._closed():
             if self.driver.outstanding:
                 for completion in self.driver.poll():
@@ -102,19 +109,20 @@ class RoundRunner:
             self._score_after_rollout()
         return self._result(start, rollout_end, bubble)
 
-    def _launch(self, prompt: Prompt) -> None:
-        group = _Group(prompt, len(self.groups))
-        self.groups.append(group)
+    def _launch(self, *prompts: Prompt) -> None:
         now = self.clock.now()
         requests = []
-        for r in range(self.plan.n_responses):
-            sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
-            self.by_request[sample.request_id] = (group, sample)
-            group.open.add(sample.request_id)
-            params = dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, self.plan.index,
-                                                                          sample.request_id))
-            requests.append(GenerationRequest(sample.request_id, prompt.input_ids, params))
-            self.requests[sample.request_id] = requests[-1]
+        for prompt in prompts:
+            group = _Group(prompt, len(self.groups))
+            self.groups.append(group)
+            for r in range(self.plan.n_responses):
+                sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
+                self.by_request[sample.request_id] = (group, sample)
+                group.open.add(sample.request_id)
+                params = dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, self.plan.index,
+                                                                              sample.request_id))
+                requests.append(GenerationRequest(sample.request_id, prompt.input_ids, params))
+                self.requests[sample.request_id] = requests[-1]
         self.driver.submit(requests)
 
     def _maybe_hand_off(self) -> None:
@@ -124,6 +132,7 @@ class RoundRunner:
         if not released:
             return
         handed = self.driver.retire(released)
+        self.handed_off = (self.clock.now(), tuple(released))
         partials = [c for c in handed if c.finish_reason == FINISH_EVICTED]
         self.driver.submit(self.requests[c.request_id].resumed_from(c) for c in partials)
         self.migrated = [len(partials), sum(len(c.output_ids) for c in partials)]
@@ -144,13 +153,21 @@ class RoundRunner:
         sample.finish_reason = c.finish_reason
         sample.finished_at = self.clock.now()
         if self.async_reward:
-            group.scoring[c.request_id] = (sample, self.reward.submit(sample))
+            future = self.reward.submit(sample)
+            group.scoring[c.request_id] = (sample, future)
             self.scoring_groups.add(group.index)
+            if callable(getattr(future, "add_done_callback", None)):  # told when scored, not asked every loop
+                future.add_done_callback(lambda _, gi=group.index: self.scored.append(gi))
+            else:
+                self.polled_groups.add(group.index)
         else:
             self._ready(group, sample)
 
     def _collect_scores(self) -> None:
-        for gi in sorted(self.scoring_groups):
+        told = set()
+        while self.scored:
+            told.add(self.scored.popleft())
+        for gi in sorted((told & self.scoring_groups) | self.polled_groups):
             group = self.groups[gi]
             for rid, (sample, future) in list(group.scoring.items()):
                 if group.complete or self._closed():
@@ -161,6 +178,7 @@ class RoundRunner:
                     self._ready(group, sample)
             if group.complete or not group.scoring:
                 self.scoring_groups.discard(gi)
+                self.polled_groups.discard(gi)
 
     def _closed(self) -> bool:
         """P0 groups are kept: whatever else finishes in the same poll is too late."""
@@ -181,6 +199,7 @@ class RoundRunner:
             if extra is not None:
                 self._launch(extra)
             return
+        group.kept = True
         self.kept.append(group.ready)
         if self.async_reward and self.on_group_done is not None:
             self.on_group_done(group.ready)
@@ -217,7 +236,23 @@ class RoundRunner:
             handoff_fraction=self.handoff.fired_at if self.handoff and self.handoff.fired_at is not None else 0.0,
         )
         return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered,
-                           self.filtered_tokens, deferred, stats)
+                           self.filtered_tokens, deferred, stats, self._trace(start, rollout_end))
+
+    def _trace(self, start: float, rollout_end: float) -> RoundTrace:
+        requests = []
+        for rid, (group, sample) in self.by_request.items():  # launch order
+            if not group.complete:
+                outcome = Outcome.DEFERRED
+            elif not any(s is sample for s in group.ready):
+                outcome = Outcome.ABORTED
+            else:
+                outcome = Outcome.TRAINED if group.kept else Outcome.FILTERED
+            placements = tuple((engine, t0 - start, (rollout_end if t1 is None else t1) - start)
+                               for engine, t0, t1 in self.driver.placements[rid])
+            requests.append(RequestTrace(sample, outcome, placements))
+        at, released = self.handed_off or (None, ())
+        return RoundTrace(self.driver.engines, requests, rollout_end - start,
+                          None if at is None else at - start, released)
 
 
 def _fill_score(sample: Sample, future: ScoreFuture, now: float) -> None:

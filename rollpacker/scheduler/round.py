@@ -69,6 +69,37 @@ class RoundStats:
         return self.rollout_seconds + self.reward_seconds
 
 
+class Outcome(str, enum.Enum):
+    """What became of one launched request."""
+    TRAINED = "trained"  # in a kept group
+    FILTERED = "filtered"  # in a group dynamic sampling dropped (zero reward variance)
+    ABORTED = "aborted"  # an over-launched extra: its group completed without it
+    DEFERRED = "deferred"  # its prompt's group was incomplete when the round closed: the prompt is queued
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One launched request: where and when it ran, in seconds since the round started."""
+    sample: Sample
+    outcome: Outcome
+    placements: tuple[tuple[int, float, float], ...]  # (engine, start, end), one per engine that held it
+
+    @property
+    def migrated(self) -> bool:
+        """Moved off an engine handed to the stream trainer, its tokens kept."""
+        return len(self.placements) > 1
+
+
+@dataclass
+class RoundTrace:
+    """Every request of a round, for the completions table and the rollout Gantt."""
+    engines: int
+    requests: list[RequestTrace]  # launch order
+    closed_at: float  # the round's rollout ended (its last requests aborted)
+    handoff_at: float | None = None  # engines left for the stream trainer (None: none did)
+    released: tuple[int, ...] = ()  # the engines that left
+
+
 @dataclass
 class RoundResult:
     index: int
@@ -79,6 +110,7 @@ class RoundResult:
     filtered_tokens: list[int] = field(default_factory=list)  # each filtered group's longest response
     deferred: list[Prompt] = field(default_factory=list)  # in launch order, now at the back of the queue
     stats: RoundStats = field(default_factory=RoundStats)
+    trace: RoundTrace | None = None
 
     @property
     def samples(self) -> list[Sample]:

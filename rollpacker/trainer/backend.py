@@ -142,8 +142,8 @@ def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig
         old = torch.nan_to_num(mb.rollout_logprobs, nan=0.0)
     sums = grpo_token_loss(
         logprobs, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, old_logprobs=old, ref_logprobs=mb.ref_logprobs,
-        kl_coef=cfg.kl_coef, entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
+        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, old_logprobs=old,
+        ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
         sequence_starts=mb.sequence_starts)
     return sums.objective, sums.detached()
 

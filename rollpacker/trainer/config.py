@@ -25,6 +25,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     clip_low: float = 0.2
     clip_high: float = 0.28
+    # dual clip (veRL's actor.clip_ratio_c, default 3 there): for A < 0 the token loss is capped at
+    # -A * clip_ratio_c; None (the default here) turns it off
+    clip_ratio_c: float | None = None
     kl_coef: float = 0.0
     std_normalize: bool = True
     adv_eps: float = 1e-6  # added to the group's reward std before dividing
@@ -56,6 +59,9 @@ class TrainerConfig:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={self.clip_low}, "
                               f"clip_high={self.clip_high}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ConfigError(f"clip_ratio_c must be > 1 (the dual clip caps -A * ratio for A < 0 at "
+                              f"-A * clip_ratio_c; leave it unset to turn it off), got {self.clip_ratio_c}")
         if self.adv_eps <= 0:
             raise ConfigError(f"adv_eps must be > 0, got {self.adv_eps}")
         if self.grad_clip < 0:

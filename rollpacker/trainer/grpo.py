@@ -24,6 +24,10 @@ import torch
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
+# Numerical guards, as veRL's: one token whose log-ratio ran away must not overflow exp or swamp the step.
+LOG_RATIO_BOUND = 20.0  # veRL core_algos.py compute_policy_loss(_vanilla), kl_penalty: log-ratio clamped to [-20, 20]
+K3_BOUND = 10.0  # veRL core_algos.py kl_penalty: low_var_kl clamped to [-10, 10]
+
 
 def group_advantages(rewards: torch.Tensor, *, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Advantages of one prompt group: ``r - mean(r)``, optionally divided by ``std(r) + eps``.
@@ -57,9 +61,13 @@ def denominator(num_tokens: int, num_sequences: int, aggregation: Aggregation) -
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(d) - d - 1`` with ``d = ref - logp`` (>= 0)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1.0
+    """Per-token k3 estimate of KL(pi || pi_ref): ``exp(d) - d - 1`` with ``d = ref - logp`` (>= 0).
+
+    ``d`` is clamped to [-20, 20] and the value to at most 10 (k3 >= 0, so veRL's lower bound -10
+    never binds): one token far from the reference cannot swamp the step; its KL gradient is 0 there.
+    """
+    d = torch.clamp(ref_logprobs - logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.clamp(torch.exp(d) - d - 1.0, max=K3_BOUND)
 
 
 @dataclass
@@ -76,7 +84,9 @@ class LossSums:
     kl: torch.Tensor
     entropy: torch.Tensor
     clipped: torch.Tensor
+    dual_clipped: torch.Tensor  # tokens whose loss the dual clip (clip_ratio_c) capped
     logprob_mismatch: torch.Tensor  # |logp - rollout logp|, over tokens that have a rollout logp
+    logprob_mismatch_max: torch.Tensor  # the largest of those: a maximum, not a sum (MAX_FIELDS)
     mismatch_tokens: torch.Tensor
     tokens: torch.Tensor
     sequences: torch.Tensor
@@ -89,15 +99,22 @@ class LossSums:
         return LossSums(**{f.name: getattr(self, f.name).detach().to(torch.float64) for f in fields(self)})
 
     def __add__(self, other: "LossSums") -> "LossSums":
-        return LossSums(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return LossSums(**{f.name: (torch.maximum if f.name in MAX_FIELDS else torch.add)(
+            getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
-    def as_vector(self) -> torch.Tensor:
-        """All fields as one float64 vector (for a single all-reduce)."""
-        return torch.stack([getattr(self, f.name).detach().to(torch.float64).reshape(()) for f in fields(self)])
+    def as_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, maxima): the fields as two float64 vectors, one all-reduced with SUM, one with MAX."""
+        def stack(names: list[str]) -> torch.Tensor:
+            return torch.stack([getattr(self, n).detach().to(torch.float64).reshape(()) for n in names])
+        return stack(_SUMMED), stack(sorted(MAX_FIELDS))
 
     @classmethod
-    def from_vector(cls, vec: torch.Tensor) -> "LossSums":
-        return cls(**{f.name: vec[i] for i, f in enumerate(fields(cls))})
+    def from_vectors(cls, sums: torch.Tensor, maxima: torch.Tensor) -> "LossSums":
+        return cls(**dict(zip(_SUMMED, sums)), **dict(zip(sorted(MAX_FIELDS), maxima)))
+
+
+MAX_FIELDS = frozenset({"logprob_mismatch_max"})
+_SUMMED = [f.name for f in fields(LossSums) if f.name not in MAX_FIELDS]
 
 
 def grpo_token_loss(
@@ -108,6 +125,7 @@ def grpo_token_loss(
     weights: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    clip_ratio_c: float | None = None,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
@@ -122,18 +140,25 @@ def grpo_token_loss(
     current weights (one optimizer step per batch), i.e. ``logprobs.detach()``:
     the ratio is 1 and its gradient ``-A * grad(logp)``.
 
-    The per-token loss is ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``
-    plus ``kl_coef * k3(logp, ref)``. ``rollout_logprobs`` (NaN where missing)
-    only feeds the mismatch metric. ``sequence_starts`` marks one token per
-    sequence (its first response token), to count sequences.
+    The per-token loss is ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``, with
+    ``r = exp(clamp(logp - old, -20, 20))``; with ``clip_ratio_c`` set, a token with ``A < 0`` has
+    that capped at ``-A * clip_ratio_c`` (dual clip: a huge ratio on a bad token no longer
+    dominates, and the capped token has no gradient). Plus ``kl_coef * k3(logp, ref)``.
+    ``rollout_logprobs`` (NaN where missing) only feeds the mismatch metric. ``sequence_starts``
+    marks one token per sequence (its first response token), to count sequences.
     """
     mask = loss_mask.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old)
+    ratio = torch.exp(torch.clamp(logprobs - old, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     adv = advantages.to(logprobs.dtype)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        cap = -adv * clip_ratio_c
+        dual = (adv < 0) & (per_token.detach() > cap)
+        per_token = torch.where(dual, cap, per_token)
     pg_sum = (per_token * mask).sum()
     kl_tok = torch.zeros_like(per_token)
     if kl_coef > 0.0:
@@ -150,10 +175,12 @@ def grpo_token_loss(
     if entropy is not None:
         sums.entropy = (entropy.detach() * mask).sum().double()
     sums.clipped = ((clipped.detach() > unclipped.detach()).to(mask.dtype) * mask).sum().double()
+    sums.dual_clipped = (dual.to(mask.dtype) * mask).sum().double()
     if rollout_logprobs is not None:
         have = mask * (~torch.isnan(rollout_logprobs)).to(mask.dtype)
         diff = torch.nan_to_num((logprobs.detach() - rollout_logprobs.to(logprobs.dtype)).abs(), nan=0.0)
         sums.logprob_mismatch = (diff * have).sum().double()
+        sums.logprob_mismatch_max = (diff * have).max().double() if diff.numel() else sums.logprob_mismatch_max
         sums.mismatch_tokens = have.sum().double()
     sums.tokens = mask.sum().double()
     if sequence_starts is not None:
@@ -172,7 +199,9 @@ def step_metrics(sums: LossSums, aggregation: Aggregation) -> dict[str, float]:
         "kl": float(sums.kl) / tokens,
         "entropy": float(sums.entropy) / tokens,
         "clip_frac": float(sums.clipped) / tokens,
+        "dual_clip_frac": float(sums.dual_clipped) / tokens,
         "logprob_mismatch": float(sums.logprob_mismatch) / mism if mism > 0 else float("nan"),
+        "logprob_mismatch_max": float(sums.logprob_mismatch_max) if mism > 0 else float("nan"),
         "tokens": int(sums.tokens),
         "sequences": int(sums.sequences),
     }

@@ -194,14 +194,15 @@ class StreamTrainer:
         self._open = False
         self._policy_on_host = None
         counts = torch.tensor([*self._counts.values(), *self._overlap()], dtype=torch.float64, device=layout.device)
-        sums = self._sums.as_vector()
+        sums, maxima = self._sums.as_vectors()
         if layout.dp > 1:
             dist.all_reduce(counts, group=layout.dp_group)
-            dist.all_reduce(sums, group=layout.dp_group)
-        if layout.cp > 1:  # each context-parallel rank summed its own share of every sequence
-            dist.all_reduce(sums, group=layout.cp_group)
-        if layout.pp > 1:  # only the last stage computed the loss; share its metrics with every stage
-            dist.all_reduce(sums, group=layout.pp_group)
+        # dp: each replica's own samples; cp: each context-parallel rank's share of every sequence;
+        # pp: only the last stage computed the loss, so every stage gets its metrics
+        for group in [g for g, n in ((layout.dp_group, layout.dp), (layout.cp_group, layout.cp),
+                                     (layout.pp_group, layout.pp)) if n > 1]:
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         total = dict(zip([*self._counts, "groups_before", "tokens_before"],
                          (int(x) for x in counts[:len(self._counts) + 2].tolist())))
         compute_before, compute_after = counts[len(self._counts) + 2:].tolist()
@@ -209,7 +210,7 @@ class StreamTrainer:
         if denom == 0:
             raise ValueError("the step holds no response tokens: nothing to train on")
         self.backend.reduce_grads(1.0 / denom)
-        global_sums = LossSums.from_vector(sums)
+        global_sums = LossSums.from_vectors(sums, maxima)
         loss_finite = math.isfinite(float(global_sums.objective))
         result = self.backend.step() if loss_finite else None
         applied = result is not None and result.applied

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -53,6 +54,37 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def pidfds(pids: set[int]) -> dict[int, int]:
+    """pid -> a pidfd of it, for those still running."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+    return fds
+
+
+def still_running(fds: dict[int, int], timeout: float) -> list[int]:
+    """The pids of ``fds`` whose process has not ended within ``timeout`` (a pidfd turns readable when its
+    process ends); closes the fds."""
+    deadline, waiting = time.monotonic() + timeout, dict(fds)
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ended, _, _ = select.select(list(waiting.values()), [], [], left)
+        waiting = {pid: fd for pid, fd in waiting.items() if fd not in ended}
+    for fd in fds.values():
+        os.close(fd)
+    return sorted(waiting)
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores signal ``signum`` (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise ValueError(f"no SigIgn in /proc/{pid}/status")
 
 
 def descendants(pid: int) -> set[int]:
@@ -89,23 +121,29 @@ def host_checks(ref: Reference, tp1, tp2) -> dict:
     # L9: the rank's other children survive an engine's shutdown.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     tp2_tree = {tp2.host_pid} | descendants(tp2.host_pid)
+    exits = pidfds(tp2_tree)  # opened before the shutdown: no pid reused meanwhile is waited for
     tp2.shutdown()
-    time.sleep(0.5)
-    left = sorted(p for p in tp2_tree if alive(p))
-    verdict["shutdown_ends_the_engines_processes"] = True if not left else f"still alive after shutdown: {left}"
+    left = still_running(exits, DEATH_TIMEOUT_S)
+    verdict["shutdown_ends_the_engines_processes"] = (
+        True if not left else f"still alive {DEATH_TIMEOUT_S}s after shutdown: {left}")
     verdict["shutdown_spares_the_ranks_other_children"] = (
         True if bystander.poll() is None else f"the rank's child exited with {bystander.returncode}")
     bystander.kill()
     bystander.wait()
 
-    # L8: SIGTERM to the rank (our handler) and to its engine host (as Slurm signals a whole step).
-    got = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: got.append(time.monotonic()))
+    # L8: SIGTERM to the rank (our handler) and to its engine host (as Slurm signals a whole step). The
+    # host ignores it: the kernel drops a signal whose disposition is SIG_IGN when it is sent, so there
+    # is nothing to wait for there; sglang's own handler would show as a disposition that is not SIG_IGN.
+    got = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.set())
+    host_ignores = ignores(tp1.host_pid, signal.SIGTERM)
     os.kill(tp1.host_pid, signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1.0)
+    got.wait(DEATH_TIMEOUT_S)
     signal.signal(signal.SIGTERM, previous)
-    verdict["sigterm_reaches_our_handler"] = True if got else "our SIGTERM handler never ran"
+    verdict["sigterm_reaches_our_handler"] = True if got.is_set() else "our SIGTERM handler never ran"
+    verdict["engine_host_ignores_sigterm"] = (
+        True if host_ignores and alive(tp1.host_pid) else "the engine host handles SIGTERM (sglang's watchdog)")
     verdict["engine_serves_after_sigterm"] = compare(
         "tp1 after SIGTERM", backend_generate(tp1, "tp1-b", prompts), ref.want_before)
 

@@ -1,0 +1,401 @@
+"""Rank 0 at cluster scale: the coordinator's own CPU cost while it drives N engines.
+
+    python -m bench.bench_control --engines 8,32,128,512 [--rounds 3] [--speed 20] [--out FILE]
+
+Rank 0 here is this process, running what rank 0 runs in training: the real ``Scheduler``
+(tail batching), the real coordinator channel (a ``RemoteEngine`` per engine, ZeroMQ REQ/REP to
+an ``EngineServer``) and the real reward dispatch (``PoolRewardSink`` decoding each response
+with a byte-level BPE tokenizer, ``RewardPool`` scoring it in worker processes). The N engine
+endpoints are ``EngineServer``s, a few host processes each serving many of them through one
+ZeroMQ poller; behind each is a modeled engine (``rollpacker.sim.SimEngine``, Qwen2.5-7B on one
+H800) replayed on a clock ``--speed`` times faster than the model's, returning responses of the
+modeled length with token ids and logprobs, as a real engine does. They stand in for engine
+speed only; the subject is rank 0.
+
+Workload: 32 requests per engine per round (16,384 at 512 engines): P0 = 2 x engines prompts,
+R0 = 8, every prompt launched with 16 responses (eta_p 1, eta_r 2), so each group completes on
+its first 8 scored responses and its other 8 are aborted. Response lengths: the long-tail model
+of ``bench/bench_sim.py`` at an 8k limit.
+
+Measured per round: rank 0's CPU seconds (``time.process_time`` of this process: scheduler,
+channel, reward dispatcher thread and ZeroMQ's I/O thread; the endpoint hosts and reward workers
+are other processes), the messages it exchanged, the latency from the round's launch to each
+request reaching its engine, and the round's modeled time (the same rounds on a virtual clock,
+rank 0 costing nothing). Rank 0's cost has a part per event and a part per wall second it waits
+(an idle driver still wakes up); the replay compresses wall time, so the waiting part is measured
+separately (``idle_cpu_per_s``: the driver waiting on one outstanding request for ``--idle-s``)
+and the cost at real speed is projected as measured + idle_cpu_per_s x (modeled - replayed wall).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import zmq
+
+from bench.results import REPO, write_results
+from rollpacker.coordinator import ROUND_END, Bell, Endpoint, EngineServer, RemoteEngine
+from rollpacker.examples.task import TASK_NAME
+from rollpacker.examples.tokenizer import build_tokenizer
+from rollpacker.reward import RewardConfig, RewardPool
+from rollpacker.reward.sink import PoolRewardSink
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from rollpacker.sample import Prompt
+from rollpacker.scheduler import ListPromptSource, Scheduler, VirtualClock
+from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
+from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.sim.engine import SimEngine
+from rollpacker.sim.perf import H800, QWEN25, PerfModel
+from rollpacker.sim.reward import SimRewardSink
+from rollpacker.sim.traces import LengthOracle, longtail_trace
+
+IDLE = "idle-probe"  # the idle probe's request: the longest response, so it outlasts the probe
+EXIT = "bench_exit"  # the stop reason that ends an endpoint host (ROUND_END: a fresh engine, next round)
+MODEL, LIMIT, R0, RESPONSES = "7b", 8192, 8, 16
+# response token ids: bytes of the tokenizer's vocabulary (ids 2..257), so decoding yields text
+TOKENS = [2 + (i * 7919) % 256 for i in range(LIMIT)]
+LOGPROBS = [-0.01 * (1 + i % 97) for i in range(LIMIT)]
+
+
+class ScaledClock:
+    """The model's time, ``speed`` times faster than the wall clock."""
+
+    def __init__(self, speed: float) -> None:
+        self.speed, self.origin = speed, time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self.origin) * self.speed
+
+    def wall(self, t: float) -> float:
+        return self.origin + t / self.speed
+
+
+def trace_for(engines: int, rounds: int, seed: int):
+    prompts = 2 * engines * rounds  # every prompt once: each response has its traced length
+    return longtail_trace(prompts, samples=RESPONSES, median=LIMIT / 28, limit=LIMIT, seed=seed)
+
+
+def scheduler_for(engines: int, trace) -> Scheduler:
+    cfg = SchedulerConfig(mode="tail_batching", p0=2 * engines, r0=R0, eta_p=1.0, eta_r=RESPONSES / R0,
+                          planner=PlannerConfig(enabled=False))
+    prompts = [Prompt(uid=i, input_ids=[TOKENS[j % 64] for j in range(p.prompt_length)], data_source=TASK_NAME,
+                      ground_truth="7") for i, p in enumerate(trace)]
+    return Scheduler(cfg, RolloutConfig(tp=1, max_response_length=LIMIT), ListPromptSource(prompts),
+                     rollout_ranks=engines)
+
+
+# ---- endpoint hosts ---------------------------------------------------------------------------
+
+class ReplayEngine(RolloutEngine):
+    """A modeled engine as an endpoint serves it: notes when each request arrived (wall clock) and
+    answers with token ids and logprobs of the modeled length."""
+
+    def __init__(self, sim: SimEngine, arrivals: dict[str, list[float]]) -> None:
+        self.sim, self.arrivals = sim, arrivals
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        now = time.monotonic()
+        for r in requests:
+            self.arrivals.setdefault(r.request_id, []).append(now)
+        self.sim.submit(requests)
+
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
+        return [replace(c, output_ids=TOKENS[:len(c.output_ids)], logprobs=LOGPROBS[:len(c.logprobs)])
+                for c in self.sim.poll(0.0)]
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.sim.abort(request_ids)
+
+    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
+        return self.sim.evict(request_ids)
+
+    def active_request_ids(self) -> list[str]:
+        return self.sim.active_request_ids()
+
+    def update_weights(self, named_tensors) -> None:
+        self.sim.update_weights(named_tensors)
+
+    def release_memory(self, tags=()) -> None:
+        self.sim.release_memory(tags)
+
+    def resume_memory(self, tags=()) -> None:
+        self.sim.resume_memory(tags)
+
+    def stats(self):
+        return self.sim.stats()
+
+    def next_wall_time(self) -> float | None:
+        t = self.sim.next_event_time()
+        return None if t is None else self.sim.clock.wall(t)
+
+
+def serve(count: int, first_id: int, engines: int, rounds: int, speed: float, seed: int) -> None:
+    """An endpoint host: ``count`` EngineServers multiplexed on one poller until each is told EXIT."""
+    clock = ScaledClock(speed)
+    perf = PerfModel(QWEN25[MODEL], H800, 1)
+    oracle = LengthOracle(trace_for(engines, rounds, seed), seed=seed)
+    arrivals: dict[str, list[float]] = {}
+    servers = [EngineServer() for _ in range(count)]
+
+    def fresh(i: int) -> ReplayEngine:
+        return ReplayEngine(SimEngine(perf, clock, lambda r: LIMIT if r.request_id == IDLE else oracle(r),
+                                      engine_id=first_id + i), arrivals)
+
+    hosted = [fresh(i) for i in range(count)]
+    print(json.dumps({"ports": [s.port for s in servers]}), flush=True)
+    poller = zmq.Poller()
+    index = {}
+    for i, s in enumerate(servers):
+        poller.register(s.socket, zmq.POLLIN)
+        index[s.socket] = i
+    answered = [0] * count
+    live = count
+    while live:
+        wake = [t for t in (e.next_wall_time() for e in hosted) if t is not None]
+        timeout = None if not wake else max(0, int((min(wake) - time.monotonic()) * 1000) + 1)
+        events = poller.poll(timeout)
+        for i, engine in enumerate(hosted):  # completions due by now wait in each server for its poll
+            if engine.next_wall_time() is not None and engine.next_wall_time() <= time.monotonic():
+                servers[i].collect(engine)
+        for sock, _ in events:
+            i = index[sock]
+            servers[i].collect(hosted[i])
+            reason = servers[i].answer(hosted[i])
+            answered[i] += 1
+            if reason == EXIT:
+                poller.unregister(sock)
+                live -= 1
+            elif reason is not None:  # the round is over: the next one gets a fresh engine
+                hosted[i] = fresh(i)
+    for s in servers:
+        s.close()
+    print(json.dumps({"answered": answered, "arrivals": arrivals}), flush=True)
+
+
+class Hosts:
+    """The endpoint host processes, each in its own process group, killed with it on every exit path."""
+
+    def __init__(self, engines: int, hosts: int, rounds: int, speed: float, seed: int) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.endpoints: list[Endpoint] = []
+        try:
+            per = -(-engines // hosts)
+            for first in range(0, engines, per):
+                count = min(per, engines - first)
+                cmd = [sys.executable, "-m", "bench.bench_control", "--serve", str(count), "--first-id", str(first),
+                       "--engines", str(engines), "--rounds", str(rounds), "--speed", str(speed), "--seed", str(seed)]
+                self.procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                                   start_new_session=True))
+            for proc in self.procs:
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"endpoint host {proc.args} exited with {proc.wait()} before serving")
+                for port in json.loads(line)["ports"]:
+                    self.endpoints.append(Endpoint(len(self.endpoints) + 1, f"tcp://127.0.0.1:{port}", ""))
+        except BaseException:
+            self.kill()
+            raise
+
+    def reports(self) -> list[dict[str, Any]]:
+        out = []
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if proc.wait(60) != 0 or not line:
+                raise RuntimeError(f"endpoint host {proc.args} failed (exit {proc.returncode})")
+            out.append(json.loads(line))
+        return out
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ---- rank 0 -----------------------------------------------------------------------------------
+
+class CountingRemote(RemoteEngine):
+    """The coordinator's proxy, counting the requests it sends (each gets one reply)."""
+
+    def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell) -> None:
+        super().__init__(endpoint, engine_id, bell=bell)
+        self.sent: collections.Counter[str] = collections.Counter()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self.sent[method] += 1
+        return super()._call(method, *args)
+
+
+def idle_cpu_per_s(engines: list[RolloutEngine], seconds: float) -> float:
+    """Rank 0's CPU per wall second while its driver waits on one outstanding request (the part of
+    its cost a compressed replay does not show)."""
+    driver = EngineDriver(engines, ScaledClock(1.0))
+    params = SamplingParams(max_new_tokens=LIMIT)
+    driver.submit([GenerationRequest(IDLE, [TOKENS[0]] * 16, params)])
+    cpu, wall = time.process_time(), time.monotonic()
+    while time.monotonic() - wall < seconds:
+        assert not driver.poll(), "the idle probe's request finished early"
+    rate = (time.process_time() - cpu) / (time.monotonic() - wall)
+    driver.abort(driver.outstanding_ids())
+    return rate
+
+
+def modeled_rounds(engines: int, rounds: int, seed: int) -> list[float]:
+    """The rounds' time on the model alone: the same scheduler and engines on a virtual clock."""
+    trace = trace_for(engines, rounds, seed)
+    scheduler, clock = scheduler_for(engines, trace), VirtualClock()
+    oracle, perf, sink = LengthOracle(trace, seed=seed), PerfModel(QWEN25[MODEL], H800, 1), SimRewardSink(clock)
+    out = []
+    for _ in range(rounds):
+        plan = scheduler.plan_round()
+        sims = [SimEngine(perf, clock, oracle, engine_id=i) for i in range(engines)]
+        out.append(scheduler.run_round(plan, sims, sink, clock=clock).stats.rollout_seconds)
+    return out
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {f"p{q}": ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)} | {
+        "max": ordered[-1]}
+
+
+def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
+    modeled = modeled_rounds(engines, args.rounds, args.seed)
+    scheduler = scheduler_for(engines, trace_for(engines, args.rounds, args.seed))
+    hosts = Hosts(engines, min(args.hosts, engines), args.rounds, args.speed, args.seed)
+    remotes: list[CountingRemote] = []
+    bell = Bell()
+    try:
+        remotes = [CountingRemote(ep, i, bell) for i, ep in enumerate(hosts.endpoints)]
+        with RewardPool(RewardConfig(num_workers=args.reward_workers)) as pool:
+            pool.wait_ready()
+            sink = PoolRewardSink(pool, build_tokenizer())
+            idle = idle_cpu_per_s(remotes, args.idle_s)
+            sent_before = sum((r.sent for r in remotes), collections.Counter())
+            rounds, launches = [], []
+            profiler = cProfile.Profile(time.thread_time) if args.profile else None  # main thread CPU
+            for index in range(args.rounds):
+                plan = scheduler.plan_round()
+                cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.monotonic()
+                launches.append(wall)
+                if profiler:
+                    profiler.enable()
+                result = scheduler.run_round(plan, remotes, sink, clock=ScaledClock(args.speed))
+                for remote in remotes:  # as the rollout phase ends a round
+                    remote.stop_serving(ROUND_END)
+                if profiler:
+                    profiler.disable()
+                cpu, main_cpu, wall = time.process_time() - cpu, time.thread_time() - main_cpu, time.monotonic() - wall
+                s = result.stats
+                rounds.append({"index": index, "kind": result.kind.value, "requests": s.launched_responses,
+                               "kept_groups": s.kept_prompts, "samples": len(result.samples), "cpu_s": cpu,
+                               "main_thread_cpu_s": main_cpu,
+                               "wall_s": wall, "replayed_s": s.rollout_seconds, "modeled_s": modeled[index],
+                               "generated_tokens": s.generated_tokens})
+                print(f"[{engines} engines] round {index}: {s.launched_responses} requests, rank 0 CPU {cpu:.2f} s "
+                      f"in {wall:.2f} s wall; modeled {modeled[index]:.1f} s, replayed {s.rollout_seconds:.1f} s",
+                      flush=True)
+            sent = sum((r.sent for r in remotes), collections.Counter()) - sent_before
+        for remote in remotes:
+            remote.stop_serving(EXIT)
+        reports = hosts.reports()
+    finally:
+        for remote in remotes:
+            remote.shutdown()
+        bell.close()
+        hosts.kill()
+    arrivals = {rid: t for r in reports for rid, t in r["arrivals"].items() if rid != IDLE}
+    out = summarize(rounds, launches, sent, arrivals, idle, p0=2 * engines)
+    out |= {"engines": engines, "messages_sent_all": sum(sum(r.sent.values()) for r in remotes),
+            "messages_answered_all": sum(sum(r["answered"]) for r in reports)}
+    if profiler:
+        out["profile"] = hot_spots(profiler)
+    return out
+
+
+def hot_spots(profiler: cProfile.Profile, top: int = 15) -> list[dict[str, Any]]:
+    """The functions where rank 0 spent its own time (cProfile's tottime), most first."""
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls": calls, "own_s": own, "cumulative_s": cum}
+            for (f, line, name), (_, calls, own, cum, _) in rows]
+
+
+def summarize(rounds: list[dict], launches: list[float], sent: collections.Counter,
+              arrivals: dict[str, list[float]], idle: float, p0: int) -> dict[str, Any]:
+    """Per-round costs projected to real speed, their means, and what the test checks."""
+    latencies = [times[0] - launches[int(rid[1:rid.index("e")]) // p0]  # prompts are served in order, p0 a round
+                 for rid, times in arrivals.items()]
+    for r in rounds:
+        r["projected_cpu_s"] = r["cpu_s"] + idle * max(0.0, r["modeled_s"] - r["wall_s"])
+        r["overhead"] = r["projected_cpu_s"] / r["modeled_s"]
+    requests = sum(r["requests"] for r in rounds)
+    total = {k: sum(r[k] for r in rounds) for k in ("cpu_s", "projected_cpu_s", "wall_s", "modeled_s")}
+    messages = sum(sent.values())
+    return {
+        "rounds": rounds, "requests_per_round": requests / len(rounds), "requests": requests,
+        "dispatched": len(arrivals), "dispatched_twice": sum(len(t) > 1 for t in arrivals.values()),
+        "messages": dict(sent), "idle_cpu_per_s": idle,
+        "cpu_s_per_round": total["cpu_s"] / len(rounds),
+        "main_thread_cpu_s_per_round": sum(r["main_thread_cpu_s"] for r in rounds) / len(rounds),
+        "projected_cpu_s_per_round": total["projected_cpu_s"] / len(rounds),
+        "cpu_us_per_request": 1e6 * total["projected_cpu_s"] / requests,
+        "modeled_s_per_round": total["modeled_s"] / len(rounds), "wall_s_per_round": total["wall_s"] / len(rounds),
+        "replayed_s_per_round": sum(r["replayed_s"] for r in rounds) / len(rounds),  # model time, rank 0 included
+        "overhead": total["projected_cpu_s"] / total["modeled_s"],
+        "messages_per_round": messages / len(rounds), "messages_per_modeled_s": messages / total["modeled_s"],
+        "messages_per_wall_s": messages / total["wall_s"],
+        "launch_to_engine_ms": {k: 1e3 * v for k, v in percentiles(latencies).items()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="8,32,128,512", help="engine counts, comma-separated")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per engine count")
+    p.add_argument("--speed", type=float, default=20.0, help="replay the model this many times faster than real")
+    p.add_argument("--hosts", type=int, default=2, help="endpoint host processes")
+    p.add_argument("--reward-workers", type=int, default=1)
+    p.add_argument("--idle-s", type=float, default=1.0, help="wall seconds of the idle-cost probe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--before", help="an earlier results file to keep as the 'before' of a fix")
+    p.add_argument("--profile", action="store_true", help="cProfile rank 0 over the rounds (inflates its CPU)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "control.json"), help="raw results (JSON)")
+    p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--first-id", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args.serve, args.first_id, int(args.engines), args.rounds, args.speed, args.seed)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # two sockets and a connection per engine
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the endpoint hosts die with this process
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "before", "serve", "first_id")}
+    settings |= {"model": f"Qwen2.5-{MODEL.upper()}, TP 1, H800 (modeled)", "limit": LIMIT, "r0": R0,
+                 "responses_per_prompt": RESPONSES, "p0_per_engine": 2}
+    payload: dict[str, Any] = {"settings": settings, "sizes": []}
+    if args.before:  # the run before a fix, with its own command, commit and date
+        before = json.loads(Path(args.before).read_text())
+        payload["before"] = {k: v for k, v in before.items() if k != "before"}
+    for n in args.engines.split(","):
+        payload["sizes"].append(run_size(int(n), args))
+        path = write_results(args.out, payload)  # each size as it is done
+    from bench.report import control
+    print(control(json.loads(path.read_text())))
+
+
+if __name__ == "__main__":
+    main()

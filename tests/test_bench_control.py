@@ -1,0 +1,59 @@
+"""``bench.bench_control`` at a tiny scale: rank 0 drives 2 then 4 engine endpoints over the real
+coordinator channel, and its accounting holds: every request reached an engine exactly once, every
+round kept its P0 groups, rank 0 sent exactly the messages the endpoints answered, a round's launch
+is one message per engine, and the overhead is rank 0's CPU over the modeled round."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from bench import report
+from bench.bench_control import R0, RESPONSES
+from rollpacker.testing import REPO_ROOT
+
+ENGINES, ROUNDS = (2, 4), 2
+
+
+def test_rank0_accounting_at_a_tiny_scale(tmp_path):
+    out = tmp_path / "control.json"
+    cmd = [sys.executable, "-m", "bench.bench_control", "--engines", ",".join(map(str, ENGINES)),
+           "--rounds", str(ROUNDS), "--hosts", "1", "--idle-s", "0.3", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(log)
+    assert proc.returncode == 0, log
+    r = json.loads(out.read_text())
+    assert {"command", "commit", "date", "machine", "settings", "sizes"} <= set(r)
+    assert [x["engines"] for x in r["sizes"]] == list(ENGINES)
+    for x in r["sizes"]:
+        n = x["engines"]
+        requests = 2 * n * RESPONSES * ROUNDS  # P0 = 2 x engines prompts, 16 responses each, per round
+        assert x["requests"] == requests and x["requests_per_round"] == 32 * n
+        assert x["dispatched"] == requests and x["dispatched_twice"] == 0, "a request reached no engine or two"
+        for rnd in x["rounds"]:
+            assert rnd["kept_groups"] == 2 * n and rnd["samples"] == 2 * n * R0, rnd
+            assert rnd["cpu_s"] >= rnd["main_thread_cpu_s"] > 0
+            assert abs(rnd["overhead"] - rnd["projected_cpu_s"] / rnd["modeled_s"]) < 1e-12
+        m = x["messages"]
+        assert x["messages_sent_all"] == x["messages_answered_all"], "rank 0 and the endpoints disagree"
+        assert m["submit"] == n * ROUNDS, "a round's launch is one submit per engine"
+        assert m["__stop_serving__"] == n * ROUNDS and m["stats"] == 2 * n * ROUNDS
+        assert m["watch"] <= n * ROUNDS and m["poll"] <= requests, m  # polled when a server rang, not per sweep
+        assert sum(m.values()) == x["messages_per_round"] * ROUNDS
+        total = {k: sum(rnd[k] for rnd in x["rounds"]) for k in ("projected_cpu_s", "modeled_s")}
+        assert abs(x["overhead"] - total["projected_cpu_s"] / total["modeled_s"]) < 1e-12
+        lat = x["launch_to_engine_ms"]
+        assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["max"]
+        print(f"{n} engines: rank 0 {x['cpu_s_per_round']:.3f} CPU s per round ({x['cpu_us_per_request']:.0f} us "
+              f"per request, {x['overhead']:.2%} of the modeled {x['modeled_s_per_round']:.1f} s), "
+              f"{x['messages_per_round']:.0f} messages per round {m}, launch -> engine p50 {lat['p50']:.0f} ms")
+    assert "| 4 | 128 |" in report.control(r)

@@ -1,0 +1,253 @@
+"""Several nodes, emulated on this machine (``tests/multinode.py``: one torchrun agent per node).
+
+- The job's shape at preflight: TP sizes that do not fit in a node are capped (the planner's) or
+  refused with a fix that works (the sizes a config fixes); a shape that fits is left alone.
+- 2 nodes x 2 ranks, the shipped example, one run: short rounds on four TP-1 engines, the long
+  round regrouped to a TP-2 engine inside each node and node 1's handed to the stream trainer, the
+  weight sync checked every step; a worker SIGKILLed mid long round, after which torchrun restarts
+  both nodes' workers and they resume; then a whole node SIGKILLed, after which the survivors fail
+  at once naming a lost rank; the same command relaunched finishes, every prompt trained once.
+- SGLang, 2 nodes x 1 rank: a TP-1 engine in its engine host on each node, rank 0 driving node
+  1's at node 1's address; the shipped config capped at preflight to what a node holds.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.gpu_rollout_checks import CPU_SYNC_BOUND
+from rollpacker.config import check_layout, load_config
+from rollpacker.configlib import ConfigError, to_dict
+from rollpacker.coordinator import _HEARTBEAT_TIMEOUT_MS
+from rollpacker.rollout.sglang_args import free_base_port
+from rollpacker.runtime.preflight import fit_to_nodes, preflight
+from rollpacker.testing import REPO_ROOT
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multinode import Cluster, connected, node_addr  # noqa: E402
+from test_resume_shipped import _latest, _rows, _state, assert_no_prompt_lost_or_repeated  # noqa: E402
+from test_train_program import FAST, POLICY  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
+
+TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
+
+
+# --- the job's shape, at preflight ---------------------------------------------------------------
+
+def _tiny(*overrides: str):
+    return load_config(TINY, list(overrides)).resolve(REPO_ROOT)
+
+
+def test_planner_tps_beyond_a_node_are_capped_with_one_line():
+    cfg = _tiny()  # planner: short_tp 1, long_tp 2, max_tp 2, profile rows of TP 1 and 2
+    line = fit_to_nodes(cfg, world_size=2, ranks_per_node=1)  # 2 nodes x 1 rank
+    print(line)
+    assert line.startswith("scheduler.planner capped to TP 1 (max_tp 2->1, long_tp 2->1, profile rows of TP [2] "
+                           "dropped)") and "LOCAL_WORLD_SIZE" in line
+    p = cfg.scheduler.planner
+    assert (p.max_tp, p.short_tp, p.long_tp, [r.tp for r in p.profile]) == (1, 1, 1, [1])
+    assert p.tp_choices(2, cfg.rollout.tp) == [1]
+    # 2 nodes x 6 ranks: TP 4 and 8 would span nodes (4 does not divide 6); capped to 2
+    cfg = _tiny("scheduler.planner.max_tp=8", "scheduler.planner.profile=[]")
+    assert fit_to_nodes(cfg, 12, 6).startswith("scheduler.planner capped to TP 2 (max_tp 8->2)")
+    assert cfg.scheduler.planner.tp_choices(12, 1) == [1, 2]
+
+
+@pytest.mark.parametrize("world, per_node", [(4, 2), (2, 2), (16, 8)])
+def test_a_shape_that_fits_is_left_alone(world, per_node):
+    """2 nodes x 2 ranks (the multi-node run below), one node, and 2 x 8 with max_tp 8: no line, no change."""
+    cfg = _tiny("scheduler.planner.max_tp=8") if per_node == 8 else _tiny()
+    before = to_dict(cfg)
+    assert fit_to_nodes(cfg, world, per_node) is None
+    assert to_dict(cfg) == before
+
+
+@pytest.mark.parametrize("overrides, world, per_node, message", [
+    (["trainer.tp=2"], 2, 1, "trainer.tp=2 does not fit"),
+    (["rollout.tp=2"], 2, 1, "rollout.tp=2 does not fit"),
+    (["scheduler.planner.min_tp=2", "scheduler.planner.short_tp=2", "rollout.tp=2"], 2, 1,
+     "scheduler.planner.min_tp=2 does not fit"),
+])
+def test_fixed_sizes_beyond_a_node_are_refused_with_a_fix_that_works(overrides, world, per_node, message):
+    cfg = _tiny(*overrides)
+    check_layout(cfg, world)  # the world size alone would take them
+    with pytest.raises(ConfigError) as refused:
+        fit_to_nodes(cfg, world, per_node)
+    text = str(refused.value)
+    print(text)
+    assert message in text and f"a node has {per_node} rank(s)" in text and "LOCAL_WORLD_SIZE" in text
+    fix = re.search(r"; set (\S+=\d+)", text)
+    if fix:  # the key it names, set as it says, passes
+        fixed = _tiny(*overrides, fix.group(1))
+        check_layout(fixed, world)
+        fit_to_nodes(fixed, world, per_node)
+    else:  # min_tp: more ranks per node, as it says
+        assert "run a multiple of 2 ranks per node" in text
+        fit_to_nodes(_tiny(*overrides), world, 2)
+
+
+def test_preflight_logs_the_cap_once_and_refuses_on_every_rank(tmp_path, monkeypatch, capsys):
+    one_row = tmp_path / "train.jsonl"
+    one_row.write_text((REPO_ROOT / "assets" / "data" / "train.jsonl").read_text().splitlines()[0] + "\n")
+    argv = ["--config", str(TINY), f"data.train_files=[{one_row}]", "data.eval_files=[]"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        pre = preflight(argv)
+        assert pre.cfg.scheduler.planner.long_tp == 1
+        err = capsys.readouterr().err
+        assert err.count("rollpacker: scheduler.planner capped to TP 1") == lines, err
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
+        preflight([*argv, "trainer.tp=2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "cannot start" in err and "trainer.tp=2 does not fit" in err
+
+
+# --- 2 nodes x 2 ranks, the shipped example ------------------------------------------------------
+
+STEPS = ["run.steps=6", "run.save_every=1", "run.keep_checkpoints=10", "run.verify_sync=true", "run.wandb=disabled",
+         # no profile rows: the planner starts long rounds at long_tp=2, one TP-2 engine per node
+         "scheduler.planner.profile=[]"]
+STOP_PROGRAM = REPO_ROOT / "tests" / "dist" / "train_stop_at.py"  # rollpacker.train, one rank stopping itself
+HEARTBEAT_TIMEOUT_S = _HEARTBEAT_TIMEOUT_MS / 1000
+
+
+def _two_by_two(run_dir: Path, logs: Path, stops: dict[int, tuple[str, int, int]] | None = None) -> Cluster:
+    """The run's command on 2 nodes x 2 ranks; with ``stops`` (node -> point, rank, step), that rank
+    of each node stops itself there (tests/dist/train_stop_at.py), its pid in ``logs/stopped<node>``."""
+    def env(i: int) -> dict[str, str]:
+        point, rank, step = stops[i]
+        return dict(STOP_AT=point, STOP_RANK=str(rank), STOP_STEP=str(step), STOP_MARKER=str(logs / f"stopped{i}"))
+
+    program = [str(STOP_PROGRAM)] if stops else ["-m", "rollpacker.train"]
+    return Cluster(2, 2, [*program, "--config", str(TINY), f"run.output_dir={run_dir.parent}",
+                          f"run.name={run_dir.name}", *FAST, *STEPS], logs=logs, max_restarts=1,
+                   node_env=env if stops else lambda i: {})
+
+
+def _stopped(cluster: Cluster, marker: Path, before: int | None = None) -> int:
+    """The pid of the rank stopped at ``marker``'s point (another than ``before``), once stopped."""
+    def there() -> bool:
+        return marker.exists() and int(marker.read_text()) != before and _state(int(marker.read_text())) == "T"
+
+    cluster.wait_until(there, f"a rank stopped at {marker}")
+    return int(marker.read_text())
+
+
+def test_two_nodes_regroup_stream_survive_a_worker_then_a_node_and_resume_exactly(tmp_path):
+    run_dir, logs = tmp_path / "runs" / "nodes", tmp_path / "first"
+    run_dir.parent.mkdir()
+    started = time.monotonic()
+    # Node 1: rank 2 stops as its stream trainer gets its first group in step 5's long round (node 1's
+    # TP-2 engine handed to the trainer mid-round, node 0's decoding on). Node 0: rank 1 stops as it
+    # enters step 6's rollout (a short round: rank 0 drives the four TP-1 engines, one of them stopped).
+    with _two_by_two(run_dir, logs, stops={0: ("rollout", 1, 6), 1: ("stream_train", 2, 5)}) as first:
+        ranks = first.ranks(4)
+        assert {rank: node for rank, (_, node) in ranks.items()} == {0: 0, 1: 0, 2: 1, 3: 1}
+        first.wait_until(lambda: connected(ranks[0][0], ranks[2][0], node_addr(1)),
+                         "rank 0 connected to node 1's engine server at node 1's address")
+        # (b) a worker SIGKILLed mid long round
+        pid = _stopped(first, logs / "stopped1")
+        assert pid == ranks[2][0] and [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4] and _latest(run_dir) == 4
+        os.kill(pid, signal.SIGKILL)
+        # torchrun restarts both nodes' workers, which resume from step 4; rank 2 stops there again
+        os.kill(again := _stopped(first, logs / "stopped1", before=pid), signal.SIGCONT)
+        restarted = first.ranks(4)
+        assert "resumed from step 4 " in first.nodes[0].output() and restarted[2][0] == again
+        assert all(restarted[r][0] != ranks[r][0] for r in range(4)), (ranks, restarted)
+        # (c) node 1 lost (agent and workers SIGKILLed) in step 6's rollout
+        assert _stopped(first, logs / "stopped0") == restarted[1][0]
+        assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5] and _latest(run_dir) == 5
+        killed = time.monotonic()
+        first.nodes[1].kill()
+        os.kill(restarted[1][0], signal.SIGCONT)
+        first.wait_until(lambda: not first.nodes[0].workers(), "node 0's ranks failing",
+                         timeout=HEARTBEAT_TIMEOUT_S * 4, agents_may_exit=True)
+        ranks_failed = time.monotonic() - killed
+        # its agent now waits up to its rendezvous join_timeout for a node to take node 1's place
+        # (under Slurm, srun --kill-on-bad-exit ends it at once); the with block ends it here
+    survivor = first.nodes[0].output()
+    lost = re.search(r"PeerLostError: rank [23], serving engine \d+, hung up \(tcp://127\.0\.0\.2:", survivor)
+    print(f"node 1 lost: node 0's ranks failed after {ranks_failed:.1f}s; rank 0: {lost and lost.group(0)}")
+    assert lost, survivor[-6000:]
+    assert ranks_failed < HEARTBEAT_TIMEOUT_S  # at once: no heartbeat needed, let alone a collective's timeout
+    assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5] and _latest(run_dir) == 5
+
+    # the same command, relaunched as a new job (new rendezvous port and id), without a stop
+    relaunched = time.monotonic()
+    with _two_by_two(run_dir, tmp_path / "again") as relaunch:
+        ranks = relaunch.ranks(4)
+        relaunch.wait_until(lambda: connected(ranks[0][0], ranks[3][0], node_addr(1)),
+                            "rank 0 connected to node 1's second rank at node 1's address")
+        assert relaunch.wait() == [0, 0], relaunch.outputs()
+    assert "resumed from step 5 " in relaunch.nodes[0].output()
+    print(f"wall: first launch {relaunched - started:.0f}s, relaunch {time.monotonic() - relaunched:.0f}s")
+
+    assert_no_prompt_lost_or_repeated(run_dir, steps=6)
+    rows = _rows(run_dir)
+    print([(r["step"], r["round"], r["rollout_tp"], r["streamed_groups"], r["migrated_requests"],
+            r["sync/max_abs_diff"]) for r in rows])
+    # four TP-1 engines in short rounds, one TP-2 engine per node (ranks 0-1 and 2-3) in the long one
+    assert [(r["round"], r["rollout_tp"]) for r in rows] == [("short", 1)] * 4 + [("long", 2), ("short", 1)]
+    assert [r["queue_length"] for r in rows] == [1, 2, 3, 4, 0, 1]
+    assert all(r["groups"] == 4 and r["responses_kept"] == 16 for r in rows)
+    assert all(r["sync/max_abs_diff"] == 0.0 for r in rows)  # every step's engines hold the trainer's weights
+    long = rows[4]  # node 1's engine left mid-round for the stream trainer; its requests went on on node 0's
+    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["streamed_groups"] > 0 and long["migrated_requests"] > 0
+
+
+# --- SGLang, 2 nodes x 1 rank --------------------------------------------------------------------
+
+SGLANG_STEPS = 2
+
+
+def _engine_hosts(rank_pid: int) -> int:
+    """How many engine host processes (``rollpacker.rollout.sglang_host``) the rank runs."""
+    try:
+        return sum("rollpacker.rollout.sglang_host" in c.cmdline() for c in psutil.Process(rank_pid).children())
+    except psutil.Error:  # the rank or a child gone meanwhile
+        return 0
+
+
+def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(tmp_path):
+    from tests.sglang_cpu.env import engine_env, sglang_python
+
+    python = str(sglang_python())  # the suite's SGLang CPU venv (test_sglang_real.py), built if missing
+    run_dir = tmp_path / "runs" / "sglang"
+    engine_ports = [free_base_port(1) for _ in range(2)]
+    args = ["-m", "rollpacker.train", "--config", str(TINY), f"run.output_dir={run_dir.parent}",
+            f"run.name={run_dir.name}", *FAST, "rollout.backend=sglang", f"run.steps={SGLANG_STEPS}",
+            "run.save_every=0", "run.wandb=disabled"]
+    started = time.monotonic()
+    with Cluster(2, 1, args, logs=tmp_path / "logs", python=python, env=engine_env(),
+                 node_args=lambda i: [f"rollout.sglang_base_port={engine_ports[i]}"]) as cluster:
+        ranks = cluster.ranks(2)
+        assert {rank: node for rank, (_, node) in ranks.items()} == {0: 0, 1: 1}
+        cluster.wait_until(lambda: connected(ranks[0][0], ranks[1][0], node_addr(1)),
+                           "rank 0 connected to node 1's engine server at node 1's address")
+        # each rank's TP-1 engine in an engine host process of its own, on its node
+        cluster.wait_until(lambda: all(_engine_hosts(pid) == 1 for pid, _ in ranks.values()), "an engine host per rank")
+        codes = cluster.wait(timeout=800)
+        outputs = [n.output() for n in cluster.nodes]
+    print(f"wall {time.monotonic() - started:.0f}s")
+    assert codes == [0, 0], cluster.outputs()
+    # the sglang engine rank 0 started (other ranks log warnings only)
+    assert "server_args={" in outputs[0] and "'device': 'cpu'" in outputs[0] and "'tp_size': 1" in outputs[0]
+    capped = "rollpacker: scheduler.planner capped to TP 1 (max_tp 2->1, long_tp 2->1, profile rows of TP [2] dropped)"
+    assert outputs[0].count(capped) == 1 and capped not in outputs[1]  # rank 0's one line
+    rows = _rows(run_dir)
+    print([(r["step"], r["round"], r["rollout_tp"], r["generated_tokens"], r["train/logprob_mismatch_max"]) for r in rows])
+    assert [(r["step"], r["rollout_tp"]) for r in rows] == [(s, 1) for s in range(1, SGLANG_STEPS + 1)]
+    for r in rows:  # the weight sync reached both engines: the trainer's log-probs agree with theirs
+        assert r["generated_tokens"] > 0 and r["sync/bytes"] > 0 and r["responses_kept"] == 16
+        assert r["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, r
