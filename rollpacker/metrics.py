@@ -127,8 +127,8 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
+        if resume_step is not None and self.path.exists():  # a resumed run redoes the steps after it
+            rewind_records(self.path, resume_step)
         if wandb_mode != "disabled":
             import wandb
             self._wandb = wandb.init(project=project, name=name, dir=str(self.run_dir), mode=wandb_mode,
@@ -164,10 +164,6 @@ class MetricsLogger:
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
-
-    def _truncate_after(self, step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint; drop their stale lines (and a torn one)."""
-        rewind_records(self.path, step)
 
 
 def _wandb_id(run_dir: Path) -> str:
