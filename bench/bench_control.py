@@ -1,16 +1,18 @@
 """Rank 0 at cluster scale: the coordinator's own CPU cost while it drives N engines.
 
-    python -m bench.bench_control --engines 8,32,128,512 [--rounds 3] [--speed 20] [--out FILE]
+    python -m bench.bench_control --engines 8,32,128,512 [--rounds 2] [--speed 1] [--out FILE]
 
 Rank 0 here is this process, running what rank 0 runs in training: the real ``Scheduler``
 (tail batching), the real coordinator channel (a ``RemoteEngine`` per engine, ZeroMQ REQ/REP to
-an ``EngineServer``) and the real reward dispatch (``PoolRewardSink`` decoding each response
-with a byte-level BPE tokenizer, ``RewardPool`` scoring it in worker processes). The N engine
+an ``EngineServer``) and the real reward dispatch (``PoolRewardSink`` handing each response's
+token ids to a ``RewardPool``, whose worker processes decode them with a byte-level BPE tokenizer
+and score them). The N engine
 endpoints are ``EngineServer``s, a few host processes each serving many of them through one
 ZeroMQ poller; behind each is a modeled engine (``rollpacker.sim.SimEngine``, Qwen2.5-7B on one
-H800) replayed on a clock ``--speed`` times faster than the model's, returning responses of the
-modeled length with token ids and logprobs, as a real engine does. They stand in for engine
-speed only; the subject is rank 0.
+H800) replayed on the model's clock (``--speed`` > 1 compresses it, for quick looks only: rank 0's
+work does not compress, so the races between generation and scoring, and with them the work per
+round, are not the real ones), returning responses of the modeled length with token ids and
+logprobs, as a real engine does. They stand in for engine speed only; the subject is rank 0.
 
 Workload: 32 requests per engine per round (16,384 at 512 engines): P0 = 2 x engines prompts,
 R0 = 8, every prompt launched with 16 responses (eta_p 1, eta_r 2), so each group completes on
@@ -22,9 +24,10 @@ channel, reward dispatcher thread and ZeroMQ's I/O thread; the endpoint hosts an
 are other processes), the messages it exchanged, the latency from the round's launch to each
 request reaching its engine, and the round's modeled time (the same rounds on a virtual clock,
 rank 0 costing nothing). Rank 0's cost has a part per event and a part per wall second it waits
-(an idle driver still wakes up); the replay compresses wall time, so the waiting part is measured
+(an idle driver still wakes up); a compressed replay shortens the waiting, so that part is measured
 separately (``idle_cpu_per_s``: the driver waiting on one outstanding request for ``--idle-s``)
-and the cost at real speed is projected as measured + idle_cpu_per_s x (modeled - replayed wall).
+and the cost at real speed is projected as measured + idle_cpu_per_s x (modeled - replayed wall),
+which adds nothing at ``--speed 1``.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from typing import Any, Iterable, Sequence
 import zmq
 
 from bench.results import REPO, write_results
-from rollpacker.coordinator import ROUND_END, Bell, Endpoint, EngineServer, RemoteEngine
+from rollpacker.coordinator import ROUND_END, Bell, Endpoint, EngineServer, RemoteEngine, stop_serving
 from rollpacker.examples.task import TASK_NAME
 from rollpacker.examples.tokenizer import build_tokenizer
 from rollpacker.reward import RewardConfig, RewardPool
@@ -234,9 +237,9 @@ class CountingRemote(RemoteEngine):
         super().__init__(endpoint, engine_id, bell=bell)
         self.sent: collections.Counter[str] = collections.Counter()
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def begin(self, method: str, *args: Any) -> Any:
         self.sent[method] += 1
-        return super()._call(method, *args)
+        return super().begin(method, *args)
 
 
 def idle_cpu_per_s(engines: list[RolloutEngine], seconds: float) -> float:
@@ -280,9 +283,9 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     bell = Bell()
     try:
         remotes = [CountingRemote(ep, i, bell) for i, ep in enumerate(hosts.endpoints)]
-        with RewardPool(RewardConfig(num_workers=args.reward_workers)) as pool:
+        with RewardPool(RewardConfig(num_workers=args.reward_workers), tokenizer=build_tokenizer()) as pool:
             pool.wait_ready()
-            sink = PoolRewardSink(pool, build_tokenizer())
+            sink = PoolRewardSink(pool)
             idle = idle_cpu_per_s(remotes, args.idle_s)
             sent_before = sum((r.sent for r in remotes), collections.Counter())
             rounds, launches = [], []
@@ -294,8 +297,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 if profiler:
                     profiler.enable()
                 result = scheduler.run_round(plan, remotes, sink, clock=ScaledClock(args.speed))
-                for remote in remotes:  # as the rollout phase ends a round
-                    remote.stop_serving(ROUND_END)
+                stop_serving(remotes, ROUND_END)  # as the rollout phase ends a round
                 if profiler:
                     profiler.disable()
                 cpu, main_cpu, wall = time.process_time() - cpu, time.thread_time() - main_cpu, time.monotonic() - wall
@@ -309,8 +311,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                       f"in {wall:.2f} s wall; modeled {modeled[index]:.1f} s, replayed {s.rollout_seconds:.1f} s",
                       flush=True)
             sent = sum((r.sent for r in remotes), collections.Counter()) - sent_before
-        for remote in remotes:
-            remote.stop_serving(EXIT)
+        stop_serving(remotes, EXIT)
         reports = hosts.reports()
     finally:
         for remote in remotes:
@@ -365,13 +366,14 @@ def summarize(rounds: list[dict], launches: list[float], sent: collections.Count
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default="8,32,128,512", help="engine counts, comma-separated")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per engine count")
-    p.add_argument("--speed", type=float, default=20.0, help="replay the model this many times faster than real")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per engine count")
+    p.add_argument("--speed", type=float, default=1.0, help="replay the model this many times faster than real")
     p.add_argument("--hosts", type=int, default=2, help="endpoint host processes")
     p.add_argument("--reward-workers", type=int, default=1)
     p.add_argument("--idle-s", type=float, default=1.0, help="wall seconds of the idle-cost probe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--before", help="an earlier results file to keep as the 'before' of a fix")
+    p.add_argument("--before-note", default="", help="what the 'before' run's code did that the fix changed")
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 over the rounds (inflates its CPU)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "control.json"), help="raw results (JSON)")
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
@@ -383,13 +385,13 @@ def main() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # two sockets and a connection per engine
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the endpoint hosts die with this process
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "before", "serve", "first_id")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "before", "before_note", "serve", "first_id")}
     settings |= {"model": f"Qwen2.5-{MODEL.upper()}, TP 1, H800 (modeled)", "limit": LIMIT, "r0": R0,
                  "responses_per_prompt": RESPONSES, "p0_per_engine": 2}
     payload: dict[str, Any] = {"settings": settings, "sizes": []}
     if args.before:  # the run before a fix, with its own command, commit and date
         before = json.loads(Path(args.before).read_text())
-        payload["before"] = {k: v for k, v in before.items() if k != "before"}
+        payload["before"] = {k: v for k, v in before.items() if k != "before"} | {"note": args.before_note}
     for n in args.engines.split(","):
         payload["sizes"].append(run_size(int(n), args))
         path = write_results(args.out, payload)  # each size as it is done

@@ -166,8 +166,8 @@ def main() -> None:
           f"{'reward s':>9}{'exposed':>9}")
     runs: dict[str, list[RoundResult]] = {mode: [] for mode in MODES if mode != "history" or args.history}
     schedulers = {mode: make_scheduler(mode, args, data, tokenizer, rollout) for mode in runs}
-    with RewardPool(RewardConfig(num_workers=1)) as pool:
-        sink = PoolRewardSink(pool, tokenizer)
+    with RewardPool(RewardConfig(num_workers=1), tokenizer=tokenizer) as pool:
+        sink = PoolRewardSink(pool)
         pool.wait_ready(60)
         for i in range(rounds):  # interleaved, in alternating order, so every mode sees the same machine load
             for mode in (list(runs) if i % 2 == 0 else list(runs)[::-1]):

@@ -5,7 +5,8 @@ On the GPU machine (one GPU, no package index; bring the wheels made by bench/gp
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 -m bench.gpu_acceptance --device cuda --out OUT
 
-Anywhere, as a dry run of the same code on tiny shapes (the test suite runs it)::
+Anywhere, as a dry run of the same code on tiny shapes (the test suite runs it, with ``--skip`` for
+the checks another test already runs: tests/test_gpu_acceptance.py says which)::
 
     python -m bench.gpu_acceptance --device cpu --out OUT
 
@@ -111,6 +112,11 @@ class Report:
               + (f" {result['error']}" if "error" in result else ""), flush=True)
         self.write()
 
+    def skip(self, name: str) -> None:
+        self.results.setdefault("skipped", []).append(name)
+        print(f"[acceptance] {name}: skipped (--skip)", flush=True)
+        self.write()
+
     def write(self) -> None:
         write_json(self.out / "acceptance.json", self.results)
         (self.out / "acceptance.md").write_text(markdown(self.results))
@@ -156,6 +162,7 @@ def markdown(results: dict[str, Any]) -> str:
                                               if k not in ("ok", "seconds", "traceback") and not isinstance(v, dict)
                                               and not (isinstance(v, list) and len(v) > 12))
         lines.append(f"| {name} | {'ok' if r['ok'] else '**FAIL**'} | {figures} ({r['seconds']:.1f} s) |")
+    lines += [f"| {name} | skipped (--skip) | |" for name in results.get("skipped", [])]
     for name, r in results["checks"].items():
         for key, value in r.items():
             if isinstance(value, dict):
@@ -256,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_acceptance")
     p.add_argument("--only", nargs="*", help="run only the checks whose names start with these")
+    p.add_argument("--skip", nargs="*", help="leave out the checks whose names start with these (each is "
+                   "reported as skipped: the CPU suite leaves out what another test already runs)")
     args = p.parse_args(argv)
     if args.command == "grad-reference":
         trainer.cpu_reference_gradients(args.model_dir, args.out, args.seed)
@@ -265,10 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         run_one(torch.device(args.device), args.work, args.name, args.result)
         return 0
-    return run(torch.device(args.device), args.out, only=args.only)
+    return run(torch.device(args.device), args.out, only=args.only, skip=args.skip)
 
 
-def run(device: torch.device, out: Path, only: list[str] | None = None) -> int:
+def _matches(name: str, prefixes: list[str] | None) -> bool:
+    return any(name.startswith(o) or name.split("/")[-1].startswith(o) for o in prefixes or [])
+
+
+def run(device: torch.device, out: Path, only: list[str] | None = None, skip: list[str] | None = None) -> int:
     """Each check in a process of its own: a failed or leaky check cannot starve the next one of
     device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``)."""
     from rollpacker.testing import make_random_qwen2
@@ -280,7 +293,10 @@ def run(device: torch.device, out: Path, only: list[str] | None = None) -> int:
     if not (work / sizes.shape_name / "config.json").exists():
         make_random_qwen2(work / sizes.shape_name, seed=11, **sizes.shape)
     for name in check_names(device):
-        if only and not any(name.startswith(o) or name.split("/")[-1].startswith(o) for o in only):
+        if only and not _matches(name, only):
+            continue
+        if _matches(name, skip):
+            report.skip(name)
             continue
         result_file = work / (name.replace("/", "__") + ".json")
         result_file.unlink(missing_ok=True)

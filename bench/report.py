@@ -358,8 +358,8 @@ def control(r: dict[str, Any]) -> str:
              f"rounds per size replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
              f"{provenance(r)}:", "", *head, *rows(r)]
     if "before" in r:
-        lines += ["", f"Before the fix (polling every engine, a message per prompt and engine at launch, every "
-                      f"pending score checked every loop; {provenance(r['before'])}):", "", *head, *rows(r["before"])]
+        lines += ["", f"Before the fix ({r['before']['note']}; {provenance(r['before'])}):", "", *head,
+                  *rows(r["before"])]
     lines += ["", "Rank 0 CPU: this process's (scheduler, channel, reward dispatch and their threads), the replay's "
                   "plus its idle wake-ups over the rest of the modeled round at real speed. The round as replayed "
                   "is longer than the model's when rank 0 (or this machine) could not keep up; completions then "

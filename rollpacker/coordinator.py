@@ -24,13 +24,14 @@ survivor only after its shutdown timeout, and a lone rank would wait forever).
 """
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import socket
 import time
 from urllib.parse import urlparse
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch.distributed as dist
 import zmq
@@ -212,8 +213,11 @@ class EngineServer:
             if method == "poll":
                 out, self._done, self._rang = self._done, [], False
                 return "ok", out
-            if method == "watch":
-                self._watch(*args)
+            if method == "submit":  # the round's first also says where to ring
+                requests, watch = args
+                if watch is not None:
+                    self._watch(*watch)
+                engine.submit(requests)
                 return "ok", None
             if method == "evict":  # finished but not yet collected ones are handed back too
                 ids = set(args[0])
@@ -279,8 +283,26 @@ class RemoteEngine(RolloutEngine):
         self.bell, self.bell_token = bell, bell.enroll() if bell is not None else 0
         self._watched = False  # the server rings for this proxy (set by the round's first submit)
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def begin(self, method: str, *args: Any) -> Callable[[], Any]:
+        """Send a call; the returned function waits for its reply (``scheduler.protocols.Pipelined``)."""
+        if method == "submit":
+            args = (*args, self._watch_once())
+        elif method == _STOP:  # the server forgets the bell with the round
+            self._watched = False
         self._channel.sock.send_pyobj((method, args))
+        return functools.partial(self._reply, method)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.begin(method, *args)()
+
+    def _watch_once(self) -> tuple[str, bytes] | None:
+        """Where the server should ring, with the round's first submit."""
+        if self.bell is None or self._watched:
+            return None
+        self._watched = True
+        return self.bell.address_for(self.endpoint), b"%d" % self.bell_token
+
+    def _reply(self, method: str) -> Any:
         if not self._channel.ready(self._timeout_ms):
             raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}")
         status, value = self._channel.sock.recv_pyobj()
@@ -291,9 +313,6 @@ class RemoteEngine(RolloutEngine):
         return value
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        if self.bell is not None and not self._watched:
-            self._call("watch", self.bell.address_for(self.endpoint), b"%d" % self.bell_token)
-            self._watched = True
         self._call("submit", list(requests))
 
     def poll(self, timeout: float | None = 0.0) -> list[Completion]:
@@ -329,10 +348,15 @@ class RemoteEngine(RolloutEngine):
     def stop_serving(self, reason: str = ROUND_END) -> None:
         """End the server's loop: its rank returns to the SPMD program with ``reason``."""
         self._call(_STOP, reason)
-        self._watched = False
 
     def shutdown(self) -> None:
         self._channel.close()
+
+
+def stop_serving(remotes: Sequence[RemoteEngine], reason: str = ROUND_END) -> None:
+    """``RemoteEngine.stop_serving`` on each, every server told before any reply is awaited."""
+    for reply in [remote.begin(_STOP, reason) for remote in remotes]:
+        reply()
 
 
 class GroupInbox:

@@ -47,7 +47,7 @@ def test_rank0_accounting_at_a_tiny_scale(tmp_path):
         assert x["messages_sent_all"] == x["messages_answered_all"], "rank 0 and the endpoints disagree"
         assert m["submit"] == n * ROUNDS, "a round's launch is one submit per engine"
         assert m["__stop_serving__"] == n * ROUNDS and m["stats"] == 2 * n * ROUNDS
-        assert m["watch"] <= n * ROUNDS and m["poll"] <= requests, m  # polled when a server rang, not per sweep
+        assert "watch" not in m and m["poll"] <= requests, m  # polled when a server rang, not per sweep
         assert sum(m.values()) == x["messages_per_round"] * ROUNDS
         total = {k: sum(rnd[k] for rnd in x["rounds"]) for k in ("projected_cpu_s", "modeled_s")}
         assert abs(x["overhead"] - total["projected_cpu_s"] / total["modeled_s"]) < 1e-12

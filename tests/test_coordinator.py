@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,34 @@ class Slow:
         print("in stats", flush=True)
         sys.stdin.readline()
         return "slow but alive"
+
+
+class Gate:
+    """An engine whose ``submit`` says on stdout that it arrived, then returns once its process reads
+    a line on stdin (the test's go)."""
+
+    def active_request_ids(self) -> list[str]:
+        return []
+
+    def stats(self):
+        from rollpacker.rollout.engine import EngineStats
+        return EngineStats()
+
+    def submit(self, requests) -> None:
+        import sys
+
+        print("submitted", [r.request_id for r in requests], flush=True)
+        sys.stdin.readline()
+
+
+class Refuses(Gate):
+    """An engine that refuses every submit, saying so on stdout first."""
+
+    def submit(self, requests) -> None:
+        from rollpacker.rollout.engine import RequestError
+
+        print("refused", [r.request_id for r in requests], flush=True)
+        raise RequestError("no room")
 
 
 def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
@@ -172,3 +201,42 @@ def test_a_slow_answer_is_not_a_hang_up():
         finally:
             patient.shutdown()
             hasty.shutdown()
+
+
+def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_every_channel_usable():
+    """The driver sends each engine its submit before it waits on any reply (one round trip for N
+    engines, not N): the second engine refuses while the first still holds its reply. The refusal is
+    raised only after the first has answered, so no channel is left waiting on a reply."""
+    from rollpacker.rollout.engine import GenerationRequest, RequestError, SamplingParams
+    from rollpacker.scheduler.clock import RealClock
+    from rollpacker.scheduler.dispatch import EngineDriver
+
+    with served("Gate") as gate, served("Refuses") as refuses:
+        proxies = [remote(gate.port, 1, timeout_s=60), remote(refuses.port, 2, timeout_s=60)]
+        driver = EngineDriver(proxies, RealClock())
+        requests = [GenerationRequest(f"r{i}", [1, 2], SamplingParams()) for i in range(2)]
+        outcome: list = []
+        launch = threading.Thread(target=lambda: outcome.append(_raised(lambda: driver.submit(requests))))
+        launch.start()
+        assert gate.stdout.readline().split()[0] == "submitted"
+        # while the first engine holds its reply (a driver that awaited it first would not get here)
+        assert select.select([refuses.stdout], [], [], 30)[0], "the second engine got no submit"
+        assert refuses.stdout.readline().split()[0] == "refused"
+        assert launch.is_alive()
+        gate.stdin.write("go\n")
+        gate.stdin.flush()
+        launch.join(60)
+        error = outcome[0]
+        print(f"launch over two engines: {error!r}; the first engine's reply was awaited first")
+        assert isinstance(error, RequestError) and "no room" in str(error)
+        assert [type(p.stats()).__name__ for p in proxies] == ["EngineStats", "EngineStats"]
+        for p in proxies:
+            p.shutdown()
+
+
+def _raised(call: Callable[[], object]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test
+        return exc
+    return None

@@ -200,3 +200,39 @@ def test_close_finishes_submitted_work_then_refuses():
     assert [f.result(timeout=0).correct for f in futures] == [i % 2 == i for i in range(20)]
     with pytest.raises(RuntimeError, match="after close"):
         pool.submit("stepchain", "Answer: 1", "1")
+
+
+class DecodeOrDie:
+    """A tokenizer double for the workers: token ids [k] * n decode to a math answer n, and the
+    id 13 kills the worker decoding it (a worker that dies in the middle of a batch)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        if 13 in ids:
+            os._exit(3)
+        return f"so the answer is \\boxed{{{len(ids)}}}"
+
+
+def test_a_worker_that_dies_mid_batch_costs_only_the_culprit_an_attempt():
+    """Responses sent as token ids are decoded in the workers; the worker dies on one sample of a
+    batch: the batch's samples are rescored alone, no attempt spent, and only the culprit is retried
+    (then scored a crash); every other sample is scored correctly."""
+    with RewardPool(RewardConfig(num_workers=1, worker_grace=5.0), tokenizer=DecodeOrDie()) as pool:
+        assert pool.wait_ready(60)
+        futures = [pool.submit("math", [7] * n, str(n)) for n in range(1, 11)]
+        killer = pool.submit("math", [13], "1")
+        futures += [pool.submit("math", [7] * n, str(n)) for n in range(11, 31)]
+        scores = [f.result(timeout=60) for f in futures]
+        crash = killer.result(timeout=60)
+        stats = pool.stats()
+    print(f"30 samples as token ids: {sum(s.correct for s in scores)} correct; the killer: {crash.reason} "
+          f"({crash.detail}); workers replaced {stats.workers_replaced}, retried {stats.retried}")
+    assert all(s.correct and s.reason == "ok" for s in scores)
+    assert crash.reason == "crash" and "both attempts" in crash.detail
+    # two deaths of the culprit alone, and one more if it was first sent in a batch with others
+    assert stats.retried == 1 and 2 <= stats.workers_replaced <= 3 and stats.workers_alive == 1
+
+
+def test_token_ids_need_a_pool_with_a_tokenizer():
+    with RewardPool(RewardConfig(num_workers=1)) as pool:
+        with pytest.raises(ValueError, match="tokenizer"):
+            pool.submit("math", [1, 2, 3], "6")

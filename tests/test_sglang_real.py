@@ -164,22 +164,25 @@ def test_generate_cli_on_real_engine_equals_transformers_greedy(sglang_venv_pyth
     assert all(len(r["logprobs"]) == GEN_TOKENS and all(lp <= 0 for lp in r["logprobs"]) for r in rows)
 
 
-PROGRAM_STEPS = 5
+PROGRAM_STEPS = 3
 PROGRAM_TIMEOUT_S = 900
-# As tests/test_train_program.py's runs: 4 prompts x 4 responses, a long round every 5th step; no
-# profile rows, so the planner keeps short rounds on two TP-1 engines and regroups the long round to
-# one TP-2 engine over both ranks (rank 0 then leads engines of both TP sizes, each in its own host).
+# As tests/test_train_program.py's runs (4 prompts x 4 responses), but each short round launches 6
+# prompts and defers 2, so that step 3 is already the long round: every launch builds its engines,
+# which costs far more than a step, so the runs take as few steps as show what they test. No profile
+# rows, so the planner keeps short rounds on two TP-1 engines and regroups the long round to one TP-2
+# engine over both ranks (rank 0 then leads engines of both TP sizes, each in its own host).
 PROGRAM_ARGS = ["--config", "configs/tiny-cpu.yaml", "rollout.backend=sglang", "scheduler.p0=4", "scheduler.r0=4",
-                "rollout.max_response_length=384", "reward.num_workers=1", "scheduler.planner.profile=[]",
-                f"run.steps={PROGRAM_STEPS}", "run.save_every=2", "run.keep_checkpoints=10", "run.wandb=disabled"]
+                "scheduler.eta_p=1.5", "rollout.max_response_length=384", "reward.num_workers=1",
+                "scheduler.planner.profile=[]", f"run.steps={PROGRAM_STEPS}", "run.save_every=1",
+                "run.keep_checkpoints=10", "run.wandb=disabled"]
 
 
 def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang_venv_python, tmp_path):
     """The whole program on SGLang, ``torchrun --nproc_per_node 2 -m rollpacker.train`` on the tiny CPU
     config with ``rollout.backend=sglang``, as launch/train.sh starts it (c10d rendezvous):
-    - a rank is killed with SIGKILL once the step-2 checkpoint is complete; the same command then
-      resumes, and the ledger shows every prompt of the 5 steps trained exactly once;
-    - short rounds ran on two TP-1 engines and the long round (step 5) on one TP-2 engine;
+    - a rank is killed with SIGKILL once the step-1 checkpoint is complete, before the run's end; the
+      same command then resumes, and the ledger shows every prompt of the 3 steps trained exactly once;
+    - short rounds ran on two TP-1 engines and the long round (step 3) on one TP-2 engine;
     - the trainer's log-probs of what the engine generated agree with the engine's every step, so each
       step's weight sync reached the engine that served the round (stale weights would show at once)."""
     from rollpacker.runtime.ledger import read_ledger
@@ -192,10 +195,11 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
                 "-m", "rollpacker.train", *PROGRAM_ARGS, f"run.output_dir={out}", "run.name=sglang",
                 f"rollout.sglang_base_port={base_port}", "run.eval.every=0", "run.eval.before_train=false"]
 
+    t0 = time.monotonic()
     first = subprocess.Popen(command(free_base_port(1, 2, local_ranks=2)), env=engine_env(), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+        marker = run_dir / "checkpoints" / "step_00000001" / "COMPLETE"
         deadline = time.monotonic() + PROGRAM_TIMEOUT_S
         while time.monotonic() < deadline and not marker.exists() and first.poll() is None:
             time.sleep(0.05)
@@ -203,22 +207,28 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
                                                   text=True).stdout.split()]
         if not (marker.exists() and workers):
             kill_group(first.pid)
-            pytest.fail(f"no step 3 to kill:\n{first.communicate()[0].decode()[-6000:]}")
+            pytest.fail(f"no step 2 to kill:\n{first.communicate()[0].decode()[-6000:]}")
+        t_marker = time.monotonic() - t0
         os.kill(workers[-1], signal.SIGKILL)
         output = first.communicate(timeout=300)[0].decode()
+        t_exit = time.monotonic() - t0
         assert first.returncode != 0, output[-3000:]
     finally:
         kill_group(first.pid)  # the launch's session, however the test ends: no rank or engine runs on
         first.wait()
     assert "server_args={" in output and "'device': 'cpu'" in output, "no sglang engine was started"
+    assert not (run_dir / "checkpoints" / f"step_{PROGRAM_STEPS:08d}").exists(), "the kill came after the run's end"
 
     proc = run_in_venv(command(free_base_port(1, 2, local_ranks=2)), "rollpacker.train on sglang (resumed)",
                        PROGRAM_TIMEOUT_S)
+    print(f"step-1 checkpoint at {t_marker:.0f} s, killed launch ended at {t_exit:.0f} s, resumed launch ended at "
+          f"{time.monotonic() - t0:.0f} s (nearly all of it the engines' start, twice)")
     assert proc.returncode == 0, proc.stdout[-8000:]
     trained, filtered = read_ledger(run_dir / "ledger.jsonl")
     assert max(trained.values()) == 1 and not filtered and len(trained) == PROGRAM_STEPS * 4
     metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert sorted(metrics) == list(range(1, PROGRAM_STEPS + 1))
+    assert [metrics[s]["round"] for s in sorted(metrics)] == ["short", "short", "long"]
     assert {(m["round"], m["rollout_tp"]) for m in metrics.values()} == {("short", 1), ("long", 2)}
     for m in metrics.values():
         assert m["generated_tokens"] > 0 and m["train/sequences"] > 0 and m["sync/bytes"] > 0
@@ -227,19 +237,19 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
 
 
 def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(sglang_venv_python, tmp_path):
-    """With two TP-1 engines in the long round (step 5; the planner off, so no TP-2 engine is built)
+    """With two TP-1 engines in the long round (step 3; the planner off, so no TP-2 engine is built)
     the stream trainer's hand-off can fire on SGLang: it needs the engines' KV capacity and load
     (review L6: with a capacity of 0 it never fired). Rank 1's engine leaves mid-round, its running
     requests continue on rank 0's engine from their tokens so far (sglang continues them by prefill;
     the continuation is a fresh sample, see sglang_backend), rank 1 trains the groups handed to it,
     and the log-probs the trainer computes for every step's samples, migrated ones included, agree
-    with the engine's. Validation runs on the same engines: after step 4 (in step 5's round, after its
+    with the engine's. Validation runs on the same engines: after step 2 (in step 3's round, after its
     weight sync) and after the last step (its own sync), sharded over both engines, greedy and 4
     samples at temperature 1 on 2 eval prompts."""
     out = tmp_path / "runs"
     args = [a for a in PROGRAM_ARGS if a != "scheduler.planner.profile=[]"] + ["scheduler.planner.enabled=false",
                                                                               "rollout.tp=1"]
-    args += ["run.eval.every=4", "run.eval.before_train=false", "run.eval.max_prompts=2"]
+    args += ["run.eval.every=2", "run.eval.before_train=false", "run.eval.max_prompts=2"]
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "rollpacker.train", *args, "run.save_every=0", f"run.output_dir={out}", "run.name=stream",
            f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}"]
@@ -249,13 +259,13 @@ def test_training_program_on_real_engine_hands_an_engine_to_the_stream_trainer(s
     rows = [r for r in lines if "round" in r]
     evals = [r for r in lines if "eval/seconds" in r]
     print("eval lines:", [{k: v for k, v in e.items() if "/file/" not in k and "/source/" not in k} for e in evals])
-    assert [e["step"] for e in evals] == [4, PROGRAM_STEPS]
+    assert [e["step"] for e in evals] == [2, PROGRAM_STEPS]
     for e in evals:
         assert e["eval/engines"] == 2 and e["eval/greedy/samples"] == 2 and e["eval/t1/samples"] == 8
         assert 0 <= e["eval/greedy/pass@1"] <= 1 and 0 <= e["eval/t1/pass@1"] <= e["eval/t1/pass@4"] <= 1
         assert 0 < e["eval/t1/response_len_mean"] <= e["eval/t1/response_len_max"] <= 384
         assert e["eval/greedy/file/eval/pass@1"] == e["eval/greedy/source/stepchain/pass@1"] == e["eval/greedy/pass@1"]
-    assert rows[-1]["time/eval_s"] > 0  # the eval of step 4 ran inside step 5, on its timeline
+    assert rows[-1]["time/eval_s"] > 0  # the eval of step 2 ran inside step 3, on its timeline
     assert [r["step"] for r in rows] == list(range(1, PROGRAM_STEPS + 1))
     (long,) = [r for r in rows if r["round"] == "long"]
     assert {r["rollout_tp"] for r in rows} == {1}

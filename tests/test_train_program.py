@@ -170,10 +170,14 @@ def _worker_pids(launcher: subprocess.Popen) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+KILL_STEPS = 4
+
+
 def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
     run_dir = tmp_path / "crash"
-    # keep every checkpoint so the one the test waits for is never rotated away
-    steps = ["run.steps=8", "run.save_every=2", "run.keep_checkpoints=10", "scheduler.mode=baseline"]
+    # keep every checkpoint so the one the test waits for is never rotated away; the resumed run's steps 3
+    # and 4 are compared with an uninterrupted run's (each launch costs more than a step: few steps)
+    steps = [f"run.steps={KILL_STEPS}", "run.save_every=2", "run.keep_checkpoints=10", "scheduler.mode=baseline"]
     proc = _launch_background(run_dir, *steps)
     try:
         marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
@@ -184,7 +188,7 @@ def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
         if not (marker.exists() and workers):
             kill_group(proc.pid)
             pytest.fail(f"no running step 3 to kill:\n{proc.communicate()[0].decode()[-3000:]}")
-        os.kill(workers[-1], signal.SIGKILL)  # in step 3 of 8
+        os.kill(workers[-1], signal.SIGKILL)  # in step 3 of 4
         output = proc.communicate(timeout=300)[0].decode()
         assert proc.returncode != 0, output[-3000:]
     finally:
@@ -193,14 +197,14 @@ def test_kill9_then_resume_loses_and_repeats_no_prompt(tmp_path):
     _train(run_dir, *steps)  # same command: resumes from the latest checkpoint
     trained, filtered = read_ledger(run_dir / "ledger.jsonl")
     assert max(trained.values()) == 1 and not filtered
-    assert len(trained) == 8 * 4
+    assert len(trained) == KILL_STEPS * 4
     # baseline has no timing race: the resumed run's steps equal an uninterrupted run's
     ref_dir = tmp_path / "reference"
     _train(ref_dir, *steps)
     resumed = {r["step"]: r for r in _metrics(run_dir)}
     reference = {r["step"]: r for r in _metrics(ref_dir)}
-    assert sorted(resumed) == sorted(reference) == list(range(1, 9))
-    for step in range(3, 9):
+    assert sorted(resumed) == sorted(reference) == list(range(1, KILL_STEPS + 1))
+    for step in range(3, KILL_STEPS + 1):
         for key in ("reward_mean", "response_len_max", "generated_tokens", "train/loss"):
             assert resumed[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-9), (step, key)
 

@@ -1,9 +1,11 @@
 """A pool of CPU worker processes that score each response as soon as it is submitted.
 
 One dispatcher thread in the caller's process owns every worker: it hands
-queued jobs to idle workers, collects outcomes into futures, and watches each
-busy worker against a deadline (the sample's own scoring budget plus a grace
-period).  A worker that dies or misses its deadline is killed with its whole
+queued jobs to idle workers, a batch at a time (one message for many jobs: on a
+trainer's rank 0 the per-job round trip, not the scoring, was the cost),
+collects each outcome into its future as the worker sends it, and watches each
+busy worker against a deadline (the current sample's own scoring budget plus a
+grace period).  A response may be submitted as token ids: the worker decodes it.  A worker that dies or misses its deadline is killed with its whole
 process group and replaced; its sample is retried once on a fresh worker, and
 scored as a failure (``crash`` or ``timeout``) if that attempt fails too.
 Nothing here runs scoring code in the caller's process.
@@ -15,6 +17,7 @@ directory the pool made for that worker and removes with it.
 """
 from __future__ import annotations
 
+import array
 import atexit
 import collections
 import dataclasses
@@ -33,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rollpacker.reward.adaptive import CodeTimeouts
 from rollpacker.reward.config import RewardConfig
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 2  # a sample whose worker dies or hangs is retried once
 _MAX_START_FAILURES = 3  # per worker slot, before the pool gives up (a broken install, not bad input)
+_MAX_BATCH = 64  # jobs sent to a worker in one message; queued jobs are split evenly over the idle workers
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class _Request:
     budget: float  # seconds on a worker before it counts as hung
     prompt_key: str | None = None  # code: whose timeout anchors the outcome updates
     adapt: bool = True  # False: the outcome leaves the timeouts as they are (eval samples)
+    alone: bool = False  # sent to a worker in a batch of its own (its worker died on a batch)
     attempts: int = 0
     seconds: float = 0.0  # worker time over all attempts
 
@@ -80,22 +85,31 @@ class _Slot:
     scratch: str  # where the worker's programs get their working directories; removed with the worker
     program: int | None = None  # pid (and process group) of the program the current job runs
     ready: bool = False
-    request: _Request | None = None
+    # the batch sent to the worker, (job id, request) in the order it runs them: the first is running
+    batch: collections.deque[tuple[int, _Request]] = dataclasses.field(default_factory=collections.deque)
     job_id: int = 0
-    started_at: float = 0.0
+    started_at: float = 0.0  # when the running job started
     deadline: float = 0.0
+
+    def start_next(self) -> None:
+        """The batch's first job starts now: the worker began it when it sent the previous outcome."""
+        self.started_at = time.monotonic()
+        self.deadline = self.started_at + self.batch[0][1].budget
 
 
 class RewardPool:
     """``submit`` returns a Future[Score]; it blocks while ``cfg.queue_size`` jobs wait.
 
     An optional ``judge`` scores ``data_source == "judge"`` samples; the pool closes it on ``close``.
+    With a ``tokenizer`` (picklable: each worker gets a copy), responses may be submitted as token
+    ids and are decoded in the workers, off the caller's thread.
     """
 
-    def __init__(self, cfg: RewardConfig, *, judge: LLMJudge | None = None):
+    def __init__(self, cfg: RewardConfig, *, judge: LLMJudge | None = None, tokenizer: Any = None):
         cfg.validate()
         self._cfg = cfg
         self._judge = judge
+        self._tokenizer = tokenizer
         self._ctx = mp.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
             # The fork server imports the scorers once; a replacement worker then starts in
@@ -112,21 +126,30 @@ class RewardPool:
         self._all_ready = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._wake_pending = False  # a wake-up byte is in the pipe: later submits need not write one
         self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
         self._thread.start()
         atexit.register(self._abandon)
 
     # ---- public API -------------------------------------------------------------------
-    def submit(self, data_source: str, response: str, label: Any, *, key: str | None = None,
+    def submit(self, data_source: str, response: str | Sequence[int], label: Any, *, key: str | None = None,
                adapt: bool = True) -> Future:
-        """Queue one response for scoring. Raises ValueError for a sample no scorer accepts.
+        """Queue one response (its text, or its token ids with a pool made with a tokenizer) for
+        scoring. Raises ValueError for a sample no scorer accepts.
         ``adapt=False``: score with the current code timeouts but do not update them (an eval must
         leave the training state as it found it)."""
         scorer = scorer_for(data_source)
+        if not isinstance(response, str):
+            if self._tokenizer is None:
+                raise ValueError("a response given as token ids needs a pool made with a tokenizer: "
+                                 "RewardPool(cfg, tokenizer=...)")
+            response = array.array("i", response)  # pickles as its bytes: the cheapest way to a worker
         if scorer == JUDGE:
             if self._judge is None:
                 raise ValueError(f"data_source {data_source!r} needs an LLM judge: RewardPool(cfg, judge=...)")
+            if not isinstance(response, str):
+                response = self._tokenizer.decode(response.tolist(), skip_special_tokens=True)
             return self._judge.submit(response, label)
         request = self._request(scorer, response, label, key)
         request.adapt = adapt
@@ -176,14 +199,14 @@ class RewardPool:
     def stats(self) -> PoolStats:
         slots = list(self._slots)
         return PoolStats(workers_alive=sum(s.process.is_alive() for s in slots), workers_replaced=self._replaced,
-                         in_flight=sum(s.request is not None for s in slots),
+                         in_flight=sum(len(s.batch) for s in slots),
                          queued=self._queue.qsize() + len(self._retry), retried=self._retried,
                          worker_pids=tuple(s.process.pid for s in slots))
 
     # ---- submission ---------------------------------------------------------------------
     def _request(self, scorer: str, response: str, label: Any, key: str | None) -> _Request:
-        if not isinstance(response, str):
-            raise ValueError(f"response must be a str, got {type(response).__name__}")
+        if not isinstance(response, (str, array.array)):
+            raise ValueError(f"response must be a str or token ids, got {type(response).__name__}")
         grace = self._cfg.worker_grace
         if scorer == CODE:  # its timeouts are set at dispatch, from the anchors known by then
             prompt_key = key if key is not None else _content_key(label)
@@ -195,6 +218,9 @@ class RewardPool:
         return _Request(Job(scorer, response, str(label)), Future(), budget)
 
     def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the dispatcher already has wake-ups pending
@@ -218,8 +244,9 @@ class RewardPool:
                                uid=None if cfg.sandbox_uid is None else cfg.sandbox_uid + index,
                                scratch_root=scratch)
         ours, theirs = self._ctx.Pipe()
-        process = self._ctx.Process(target=worker_main, args=(theirs, WorkerSettings(cfg.math_timeout, limits)),
-                                    name=f"reward-worker-{index}", daemon=True)
+        settings = WorkerSettings(cfg.math_timeout, limits, self._tokenizer)
+        process = self._ctx.Process(target=worker_main, args=(theirs, settings), name=f"reward-worker-{index}",
+                                    daemon=True)
         process.start()
         theirs.close()
         return _Slot(index, process, ours, scratch)
@@ -243,18 +270,26 @@ class RewardPool:
         shutil.rmtree(slot.scratch, ignore_errors=True)
 
     @staticmethod
-    def _note_program(slot: _Slot, message: Any) -> bool:
-        """Track the program the worker runs: set by a PROGRAM message (then True), cleared by a job's
-        outcome (the worker has reaped that job's programs by then)."""
-        if message == READY:
-            return False
-        tag, value = message
-        slot.program = value if tag == PROGRAM else None
-        return tag == PROGRAM
+    def _note_program(slot: _Slot, message: Any) -> None:
+        """Track the program the worker runs: set by a PROGRAM message, cleared by outcomes (the
+        worker has reaped their jobs' programs by then)."""
+        if isinstance(message, list):
+            slot.program = None
+        elif message != READY:
+            slot.program = message[1]
 
     def _fail(self, slot: _Slot, reason: str, detail: str) -> None:
-        """The worker in ``slot`` died or hung: replace it, retry or fail its sample."""
-        request = slot.request
+        """The worker in ``slot`` died or hung: replace it, retry or fail the sample it was scoring.
+        Of a batch of several, which sample did it is unknown (a worker sends outcomes in lists: the
+        last ones died with it), so each goes back to the front of the queue to be scored alone, no
+        attempt spent; a sample alone that kills its worker is the culprit."""
+        batch = [r for _, r in slot.batch]
+        slot.batch.clear()
+        request = batch[0] if len(batch) == 1 else None
+        if len(batch) > 1:
+            for r in batch:
+                r.alone = True
+            self._retry.extendleft(reversed(batch))
         log.warning("reward worker %d (pid %s): %s; replacing it", slot.index, slot.process.pid, detail)
         if not slot.ready:
             self._start_failures += 1
@@ -279,7 +314,7 @@ class RewardPool:
         try:
             while True:
                 self._assign()
-                busy = [s for s in self._slots if s.request is not None]
+                busy = [s for s in self._slots if s.batch]
                 if self._closing and not busy and not self._retry and self._queue.empty():
                     break
                 timeout = max(0.0, min(s.deadline for s in busy) - time.monotonic()) if busy else None
@@ -289,6 +324,7 @@ class RewardPool:
                     break
                 if self._wake_r in ready:
                     os.read(self._wake_r, 1 << 16)
+                    self._wake_pending = False  # before the next _assign reads the queue
                 for slot in list(self._slots):
                     if slot.conn in ready:
                         self._receive(slot)
@@ -297,8 +333,8 @@ class RewardPool:
                         self._fail(slot, CRASH, f"worker died (exit code {slot.process.exitcode})")
                 now = time.monotonic()
                 for slot in list(self._slots):
-                    if slot.request is not None and now > slot.deadline:
-                        self._fail(slot, TIMEOUT, f"worker exceeded the {slot.request.budget:.1f}s budget")
+                    if slot.batch and now > slot.deadline:
+                        self._fail(slot, TIMEOUT, f"worker exceeded the {slot.batch[0][1].budget:.1f}s budget")
         except BaseException:  # noqa: BLE001 - a dispatcher bug must not leave futures hanging
             log.exception("reward dispatcher failed")
             self._closing = True  # later submits raise instead of waiting forever
@@ -316,22 +352,31 @@ class RewardPool:
                 self._stop_worker(slot)
 
     def _assign(self) -> None:
-        for slot in self._slots:
-            while slot.ready and slot.request is None:
-                request = self._next_request()
-                if request is None:
-                    return
+        """Send each idle worker its share of the queued jobs, in one message."""
+        idle = [s for s in self._slots if s.ready and not s.batch]
+        for n, slot in enumerate(idle):
+            queued = self._queue.qsize() + len(self._retry)
+            share = min(_MAX_BATCH, -(-queued // (len(idle) - n)))
+            while len(slot.batch) < share and (request := self._next_request()) is not None:
+                # code goes alone: its timeouts are set as it starts, from every anchor known by then
+                if request.alone or request.prompt_key is not None:
+                    if slot.batch:
+                        self._retry.appendleft(request)
+                        break
+                    share = 1
                 if request.prompt_key is not None:
                     timeouts = self._timeouts.timeouts(request.prompt_key, len(request.job.label))
                     request.job = dataclasses.replace(request.job, timeouts=timeouts)
                     request.budget = sum(timeouts) + self._cfg.worker_grace
                 slot.job_id += 1
-                slot.request, slot.started_at = request, time.monotonic()
-                slot.deadline = slot.started_at + request.budget
-                try:
-                    slot.conn.send((slot.job_id, request.job))
-                except OSError:
-                    self._fail(slot, CRASH, "worker pipe closed")
+                slot.batch.append((slot.job_id, request))
+            if not slot.batch:
+                return
+            slot.start_next()
+            try:
+                slot.conn.send([(job_id, request.job) for job_id, request in slot.batch])
+            except OSError:
+                self._fail(slot, CRASH, "worker pipe closed")
 
     def _next_request(self) -> _Request | None:
         if self._retry:
@@ -345,25 +390,28 @@ class RewardPool:
                 return request
 
     def _receive(self, slot: _Slot) -> None:
-        try:
-            message = slot.conn.recv()
-        except (EOFError, OSError):
-            self._fail(slot, CRASH, "worker pipe closed")
-            return
-        if self._note_program(slot, message):
-            return
-        if message == READY:
-            slot.ready = True
-            if all(s.ready for s in self._slots):
-                self._all_ready.set()
-            return
-        job_id, outcome = message
-        request = slot.request
-        if request is None or job_id != slot.job_id:
-            return
-        slot.request = None
-        request.seconds += time.monotonic() - slot.started_at
-        self._finish(request, outcome)
+        """Every message the worker has sent so far."""
+        while True:
+            try:
+                message = slot.conn.recv()
+            except (EOFError, OSError):
+                self._fail(slot, CRASH, "worker pipe closed")
+                return
+            self._note_program(slot, message)
+            if message == READY:
+                slot.ready = True
+                if all(s.ready for s in self._slots):
+                    self._all_ready.set()
+            elif isinstance(message, list):  # outcomes, in the batch's order
+                for job_id, outcome in message:
+                    if slot.batch and job_id == slot.batch[0][0]:
+                        _, request = slot.batch.popleft()
+                        request.seconds += outcome.seconds
+                        if slot.batch:
+                            slot.start_next()
+                        self._finish(request, outcome)
+            if not slot.conn.poll():
+                return
 
     def _finish(self, request: _Request, outcome: Outcome) -> None:
         if request.adapt and request.prompt_key is not None and outcome.passed_case_seconds:
@@ -371,7 +419,7 @@ class RewardPool:
         request.future.set_result(dataclasses.replace(outcome.score, seconds=request.seconds))
 
     def _fail_pending(self, detail: str) -> None:
-        pending = [s.request for s in self._slots if s.request is not None] + list(self._retry)
+        pending = [r for s in self._slots for _, r in s.batch] + list(self._retry)
         while not self._queue.empty():
             pending.append(self._queue.get_nowait())
         for request in pending:

@@ -14,6 +14,7 @@ event) and returns the requests that finished meanwhile.
 from __future__ import annotations
 
 import abc
+import array
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -95,6 +96,17 @@ class Completion:
     submitted_at: float = 0.0
     finished_at: float = 0.0
     engine_id: int = 0
+
+    def __reduce__(self):
+        # Between processes (an engine's server to rank 0) the tokens travel as packed arrays:
+        # unpickling a list makes a Python object per token, the largest cost rank 0 paid per
+        # response. Logprobs stay float64, exactly as the engine reported them.
+        return _unpacked, (self.request_id, array.array("i", self.output_ids), array.array("d", self.logprobs),
+                           self.finish_reason, self.submitted_at, self.finished_at, self.engine_id)
+
+
+def _unpacked(request_id: str, output_ids: array.array, logprobs: array.array, *rest) -> Completion:
+    return Completion(request_id, output_ids.tolist(), logprobs.tolist(), *rest)
 
 
 @dataclass

@@ -54,7 +54,7 @@ class EvalPhase:
         self.cfg: EvalConfig = cfg.run.eval
         self.enabled = self.cfg.enabled(cfg.data.eval_files)
         self.last_step = cfg.run.steps
-        self.rollout, self.pool, self.tokenizer = rollout, pool, tokenizer
+        self.rollout, self.pool = rollout, pool
         self.dir = run_dir / "eval"
         self.done: set[int] = set()  # steps whose eval is logged
         self.max_running = cfg.rollout.max_running_requests
@@ -116,9 +116,9 @@ class EvalPhase:
                 for c in driver.poll():
                     _, name, key, p, k = requests[c.request_id]
                     tokens += len(c.output_ids)
-                    text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
                     # adapt=False: the code timeouts learned from training prompts stay as training left them
-                    scoring[c.request_id] = (c, self.pool.submit(p.data_source, text, p.ground_truth, adapt=False))
+                    scoring[c.request_id] = (c, self.pool.submit(p.data_source, c.output_ids, p.ground_truth,
+                                                                 adapt=False))
             else:
                 time.sleep(0.005)
             for rid, (c, future) in list(scoring.items()):

@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from rollpacker.coordinator import ROUND_END, TO_TRAINING, Bell, EngineServer, GroupFeed, GroupInbox, \
-    RemoteEngine, exchange_endpoints
+    RemoteEngine, exchange_endpoints, stop_serving
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.rollout.engine import RolloutEngine
 from rollpacker.runtime.engines import EngineSets
@@ -96,9 +96,7 @@ class RolloutPhase:
         return result, reason == TO_TRAINING
 
     def stop_servers(self, engines: list[RolloutEngine], released: Callable[[int], bool]) -> None:
-        for eid, remote in enumerate(engines[1:], start=1):
-            if not released(eid):
-                remote.stop_serving(ROUND_END)
+        stop_serving([remote for eid, remote in enumerate(engines[1:], start=1) if not released(eid)], ROUND_END)
 
     def stream_train(self, stream: StreamTrainer) -> int:
         """On a rank handed to training: consume the groups fed to it until the rollout ends."""

@@ -61,8 +61,8 @@ class Run:
         scheduler = sink = None
         if self.coordinator:
             self.dataset = PromptDataset.from_config(cfg.data, pre.tokenizer)
-            self.pool = RewardPool(cfg.reward)
-            sink = PoolRewardSink(self.pool, pre.tokenizer)
+            self.pool = RewardPool(cfg.reward, tokenizer=pre.tokenizer)
+            sink = PoolRewardSink(self.pool)
             scheduler = Scheduler(cfg.scheduler, cfg.rollout, self.dataset, rollout_ranks=world.size,
                                   stop_token_ids=[pre.tokenizer.eos_token_id],
                                   async_reward=cfg.reward.async_scoring)

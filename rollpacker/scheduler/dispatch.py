@@ -13,6 +13,7 @@ then polls every engine, which simulates itself up to the new time.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 from collections import defaultdict
@@ -20,7 +21,7 @@ from typing import Iterable, Sequence
 
 from rollpacker.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
-from rollpacker.scheduler.protocols import Announcing, EventSource
+from rollpacker.scheduler.protocols import Announcing, EventSource, Pipelined
 
 # with bells, every engine is polled anyway after this long without news: a lost ring cannot stall a round
 _FULL_SWEEP_AFTER_S = 5.0
@@ -52,6 +53,7 @@ class EngineDriver:
         self._by_token = {e.bell_token: i for i, e in enumerate(engines)
                           if isinstance(e, Announcing) and e.bell is not None}
         self._local = [i for i in range(len(engines)) if i not in self._by_token.values()]
+        self._pipelined = {i for i, e in enumerate(engines) if isinstance(e, Pipelined)}
         self._last_news = time.monotonic()
         self._owner: dict[str, int] = {}  # outstanding request id -> engine index
         self._load = [0] * len(engines)  # outstanding requests per engine
@@ -67,7 +69,7 @@ class EngineDriver:
         self._last = self._start
         self._busy_slot_seconds = 0.0
         self._peak = [0] * len(engines)
-        stats = [e.stats() for e in engines]
+        stats = self._each((i, "stats") for i in range(len(engines)))
         self._preemptions0 = [s.preemptions for s in stats]
         self._tokens0 = [s.tokens_generated for s in stats]
 
@@ -99,8 +101,8 @@ class EngineDriver:
             self.placements[req.request_id].append([i, self._last, None])
             self._tokens_of[req.request_id] = len(req.input_ids) + len(req.resume_ids)
             heapq.heappush(heap, (load + 1, toks + self._tokens_of[req.request_id], i))
+        self._each((i, "submit", batch) for i, batch in batches.items())
         for i, batch in batches.items():
-            self._engines[i].submit(batch)
             self._load[i] += len(batch)
             self._prompt_tokens[i] += sum(self._tokens_of[r.request_id] for r in batch)
             self._peak[i] = max(self._peak[i], self._load[i])
@@ -111,8 +113,7 @@ class EngineDriver:
         for rid in request_ids:
             if rid in self._owner:
                 by_engine[self._release(rid)].append(rid)
-        for i, ids in by_engine.items():
-            self._engines[i].abort(ids)
+        self._each((i, "abort", ids) for i, ids in by_engine.items())
 
     def retire(self, indices: Sequence[int]) -> list[Completion]:
         """Take engines out of the round: every request outstanding on them is evicted and
@@ -130,7 +131,9 @@ class EngineDriver:
 
     def active_stats(self) -> list[EngineStats]:
         """Each engine's stats; a retired engine reports nothing in use and no capacity."""
-        return [EngineStats() if i in self._retired else e.stats() for i, e in enumerate(self._engines)]
+        live = [i for i in range(len(self._engines)) if i not in self._retired]
+        stats = dict(zip(live, self._each((i, "stats") for i in live)))
+        return [stats.get(i, EngineStats()) for i in range(len(self._engines))]
 
     def poll(self) -> list[Completion]:
         """Advance the engines; return the completions of outstanding requests."""
@@ -194,10 +197,29 @@ class EngineDriver:
 
     def counters(self) -> tuple[int, int]:
         """(preemptions, generated tokens) since this driver was created."""
-        stats = [self._retired[i][1] if i in self._retired else e.stats() for i, e in enumerate(self._engines)]
+        live = [i for i in range(len(self._engines)) if i not in self._retired]
+        stats = [s for _, s in self._retired.values()] + self._each((i, "stats") for i in live)
         pre = sum(s.preemptions for s in stats) - sum(self._preemptions0)
         toks = sum(s.tokens_generated for s in stats) - sum(self._tokens0)
         return pre, toks
+
+    def _each(self, calls: Iterable[tuple]) -> list:
+        """``(engine index, method, *args)`` called on each engine, their results in order. Every
+        pipelined engine gets its call before any reply is awaited (local engines are called then);
+        each reply is awaited even when one is an error (a channel left without its reply could
+        not be used again), then the first error is raised."""
+        pending = [self._engines[i].begin(method, *args) if i in self._pipelined
+                   else functools.partial(getattr(self._engines[i], method), *args) for i, method, *args in calls]
+        results, error = [], None
+        for reply in pending:
+            try:
+                results.append(reply())
+            except Exception as exc:  # noqa: BLE001 - raised once every reply is in
+                error = error or exc
+                results.append(None)
+        if error is not None:
+            raise error
+        return results
 
     def _advance_virtual_clock(self) -> None:
         retired = {id(self._engines[i]) for i in self._retired}

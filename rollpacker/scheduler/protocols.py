@@ -6,7 +6,7 @@ and in ``rollpacker.sim``.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from rollpacker.sample import Prompt, Sample
 
@@ -63,3 +63,11 @@ class Announcing(Protocol):
     bell: Any
     bell_token: int
 
+
+
+@runtime_checkable
+class Pipelined(Protocol):
+    """An engine reached over a channel whose calls can overlap: ``begin`` sends one and returns
+    what waits for its reply, so a driver reaches N engines in about one round trip, not N."""
+
+    def begin(self, method: str, *args: Any) -> Callable[[], Any]: ...

@@ -87,6 +87,7 @@ class RoundRunner:
         self.finished = [0, 0]  # requests finished generating, their response tokens
         self.migrated = [0, 0]  # requests moved off released engines, the tokens they carried
         self.handed_off: tuple[float, tuple[int, ...]] | None = None  # when, which engines
+        self.abandoned: list[str] = []  # open requests of groups completed since the last abort
 
     def run(self) -> RoundResult:
         start = self.clock.now()
@@ -102,6 +103,7 @@ class RoundRunner:
                 raise StalledError(f"round {self.plan.index}: {len(self.kept)}/{self.plan.target_groups} groups "
                                    "kept and nothing left running; an engine lost requests")
             self._collect_scores()
+            self._abort_abandoned()
         self.driver.abort(self.driver.outstanding_ids())
         rollout_end = self.clock.now()
         bubble = self.driver.bubble_fraction()
@@ -180,6 +182,13 @@ class RoundRunner:
                 self.scoring_groups.discard(gi)
                 self.polled_groups.discard(gi)
 
+    def _abort_abandoned(self) -> None:
+        """One abort per engine for every group completed in this pass, not one per group: at a
+        cluster's scale a message per group and engine was much of rank 0's traffic."""
+        if self.abandoned:
+            self.driver.abort(self.abandoned)
+            self.abandoned = []
+
     def _closed(self) -> bool:
         """P0 groups are kept: whatever else finishes in the same poll is too late."""
         return len(self.kept) >= self.plan.target_groups
@@ -190,7 +199,7 @@ class RoundRunner:
             return
         group.complete = True
         group.scoring.clear()  # late scores of the extras are ignored
-        self.driver.abort(group.open)
+        self.abandoned += group.open
         group.open.clear()
         if not self.keeps(group.ready):
             self.filtered.append(group.prompt)

@@ -96,9 +96,13 @@ def _norm(name: str) -> str:
 
 
 def _base_versions() -> dict[str, str]:
-    """Installed distributions of the interpreter running the tests (the venv's base)."""
+    """Installed distributions of the interpreter running the tests (the venv's base). Not those
+    vendored by setuptools: ``import setuptools`` puts its ``_vendor`` folder on ``sys.path``, so they
+    come and go with what the process imported before, and with them the stamp (a rebuild each time)."""
     out: dict[str, str] = {}
     for dist in metadata.distributions():
+        if "_vendor" in Path(str(dist.locate_file(""))).parts:
+            continue
         name = dist.metadata["Name"]
         if name and dist.version:
             out.setdefault(_norm(name), dist.version)
