@@ -568,3 +568,31 @@ def test_evict_hands_back_partial_requests_and_resume_continues_them():
     assert done.output_ids[:2] == [5, 6] and done.logprobs[:2] == [-1.0, -2.0] and len(done.output_ids) == 6
     with pytest.raises(RequestError, match="resumes 2 tokens with 1 log-probs"):
         engine.submit([GenerationRequest("bad", [2], SamplingParams(max_new_tokens=6), (5, 6), (-1.0,))])
+
+
+def test_an_engine_host_whose_rank_died_before_it_could_watch_it_exits(tmp_path):
+    """The host asks the kernel to kill it with its rank (PR_SET_PDEATHSIG), but a rank that dies
+    while the host is still starting is gone before that request: the host, reparented, would wait
+    for a connection forever. A rank starts a host as the backend does, then exits at once."""
+    import psutil
+
+    from rollpacker.rollout.sglang_host import KEY_ENV, PARENT_ENV
+
+    script = (f"import os, subprocess, sys\n"
+              f"p = subprocess.Popen([sys.executable, '-m', 'rollpacker.rollout.sglang_host', "
+              f"{str(tmp_path / 'host.sock')!r}], env={{**os.environ, {KEY_ENV!r}: '00', "
+              f"{PARENT_ENV!r}: str(os.getpid())}}, start_new_session=True, stdout=subprocess.DEVNULL, "
+              f"stderr=subprocess.DEVNULL)\n"
+              f"print(p.pid, flush=True)\n"
+              f"os._exit(0)\n")
+    rank = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    host = int(rank.stdout)
+    try:
+        _, alive = psutil.wait_procs([psutil.Process(host)], timeout=30)
+    except psutil.NoSuchProcess:
+        alive = []
+    for p in alive:
+        p.kill()
+    print(f"engine host {host} after its rank exited: {'still waiting' if alive else 'gone'}")
+    assert not alive, "the engine host outlived its rank"

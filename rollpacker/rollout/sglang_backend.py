@@ -75,7 +75,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLANG_PIN, check_call, surface_for
 from rollpacker.rollout.sglang_args import cpu_engine_env, server_args
-from rollpacker.rollout.sglang_host import KEY_ENV, LOG_LEVEL_ENV, SGLangDriver
+from rollpacker.rollout.sglang_host import KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV, SGLangDriver
 
 START_TIMEOUT_S = 900.0  # an engine host's start: sglang loads the model and sizes its KV pool
 CONNECT_TIMEOUT_S = 120.0  # the host's Python start-up, up to its listening socket
@@ -146,7 +146,8 @@ class _ProcessHost:
         self._dir = tempfile.mkdtemp(prefix=f"rollpacker-sglang-{engine_id}-")
         address, key = os.path.join(self._dir, "host.sock"), os.urandom(32)
         self.proc = subprocess.Popen([sys.executable, "-m", "rollpacker.rollout.sglang_host", address],
-                                     env={**env, KEY_ENV: key.hex()}, start_new_session=True)
+                                     env={**env, KEY_ENV: key.hex(), PARENT_ENV: str(os.getpid())},
+                                     start_new_session=True)
         try:
             self.conn = self._connect(address, key)
             self.conn.send({"kwargs": kwargs, "cfg": cfg, "engine_id": engine_id, "vocab_size": vocab_size})

@@ -62,6 +62,7 @@ from rollpacker.rollout.sglang_api import (LOAD_TIMEOUT_S, SGLangCalls, SGLangSu
                                            completion, installed_surface, sampling_params)
 
 KEY_ENV = "ROLLPACKER_HOST_KEY"
+PARENT_ENV = "ROLLPACKER_HOST_PARENT"  # the rank's pid: a host that outlived it before it could watch it exits
 LOG_LEVEL_ENV = "ROLLPACKER_HOST_LOG_LEVEL"
 CHILD_WATCH_S = 1.0  # how often the host checks that sglang's processes are alive
 
@@ -434,9 +435,13 @@ def _keep_sigterm_ignored(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _die_with_parent() -> None:
-    """If the rank dies (kill -9 included), the kernel sends this host SIGKILL (Linux)."""
+    """If the rank dies (kill -9 included), the kernel sends this host SIGKILL (Linux). A rank that
+    died before this ran sends nothing: the host, reparented by then, would wait for it forever."""
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is not None and os.getppid() != int(parent):
+        os._exit(1)
 
 
 def _children(pid: int) -> set[int]:
