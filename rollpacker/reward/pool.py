@@ -5,8 +5,9 @@ queued jobs to idle workers, a batch at a time (one message for many jobs: on a
 trainer's rank 0 the per-job round trip, not the scoring, was the cost),
 collects each outcome into its future as the worker sends it, and watches each
 busy worker against a deadline (the current sample's own scoring budget plus a
-grace period).  A response may be submitted as token ids: the worker decodes it.  A worker that dies or misses its deadline is killed with its whole
-process group and replaced; its sample is retried once on a fresh worker, and
+grace period).  A response may be submitted as token ids: the worker decodes it.
+A worker that dies or misses its deadline is killed with its whole process
+group and replaced; its sample is retried once on a fresh worker, and
 scored as a failure (``crash`` or ``timeout``) if that attempt fails too.
 Nothing here runs scoring code in the caller's process.
 
@@ -140,17 +141,17 @@ class RewardPool:
         ``adapt=False``: score with the current code timeouts but do not update them (an eval must
         leave the training state as it found it)."""
         scorer = scorer_for(data_source)
-        if not isinstance(response, str):
-            if self._tokenizer is None:
-                raise ValueError("a response given as token ids needs a pool made with a tokenizer: "
-                                 "RewardPool(cfg, tokenizer=...)")
-            response = array.array("i", response)  # pickles as its bytes: the cheapest way to a worker
+        if not isinstance(response, str) and self._tokenizer is None:
+            raise ValueError("a response given as token ids needs a pool made with a tokenizer: "
+                             "RewardPool(cfg, tokenizer=...)")
         if scorer == JUDGE:
             if self._judge is None:
                 raise ValueError(f"data_source {data_source!r} needs an LLM judge: RewardPool(cfg, judge=...)")
-            if not isinstance(response, str):
-                response = self._tokenizer.decode(response.tolist(), skip_special_tokens=True)
+            if not isinstance(response, str):  # the judge runs here, not in a worker
+                response = self._tokenizer.decode(list(response), skip_special_tokens=True)
             return self._judge.submit(response, label)
+        if not isinstance(response, str):
+            response = array.array("i", response)  # pickles as its bytes: the cheapest way to a worker
         request = self._request(scorer, response, label, key)
         request.adapt = adapt
         with self._submit_lock:
