@@ -103,13 +103,17 @@ def test_engine_hosts_on_real_engines(engine_checks):
     engine. Both take a weight push and then generate what transformers does with those weights (L2);
     the TP-2 engine's shutdown ends its processes and spares the rank's other children (L9); SIGTERM
     to the rank and its engine host reaches our handler and the engine keeps serving (L8); a killed
-    sglang scheduler makes poll(None) raise EngineDiedError instead of waiting forever."""
+    sglang scheduler makes poll(None) raise EngineDiedError instead of waiting forever; idle engines
+    (both, between requests) sleep instead of spinning a core each."""
     verdict = checked(engine_checks, "hosts")
-    assert_all_true({k: v for k, v in verdict.items() if k != "seconds_to_notice_death"})
+    print("CPU seconds of the idle engines' processes over 2 s:", verdict.get("idle_engine_cpu_seconds"))
+    assert_all_true({k: v for k, v in verdict.items()
+                     if k not in ("seconds_to_notice_death", "idle_engine_cpu_seconds")})
     assert set(verdict) >= {"one_engine_per_process", "tp1_greedy_after_push_matches_transformers",
                             "tp2_greedy_after_push_matches_transformers", "shutdown_ends_the_engines_processes",
                             "shutdown_spares_the_ranks_other_children", "sigterm_reaches_our_handler",
-                            "engine_host_ignores_sigterm", "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging"}
+                            "engine_host_ignores_sigterm", "engine_serves_after_sigterm", "dead_scheduler_raises_instead_of_hanging",
+                            "idle_engines_sleep"}
     proc, _ = engine_checks
     assert proc.returncode == 0, proc.stdout[-4000:]
 

@@ -57,9 +57,14 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
     - no server warm-up request (the engine is driven in-process, no HTTP server to warm up).
     """
     port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size)
+    # sleep_on_idle: without it an idle scheduler spins, a CPU core per engine for the whole run
+    # (``managers/scheduler_components/idle_sleeper.py``, ``IdleSleeper``: 0.5.17 line 35, 0.5.23
+    # line 36), and the engines are idle whenever the trainer runs, on the cores the trainer, the
+    # reward workers and the other engines of the node need. It waits in a poll on the scheduler's
+    # input sockets, so a request wakes it at once.
     common = dict(model_path=str(model_dir), tp_size=tp_size, port=port, nccl_port=nccl_port,
                   mem_fraction_static=cfg.mem_fraction_static, max_running_requests=cfg.max_running_requests,
-                  skip_tokenizer_init=True, random_seed=cfg.seed + engine_id)
+                  skip_tokenizer_init=True, random_seed=cfg.seed + engine_id, sleep_on_idle=True)
     kind = torch.device(device).type
     if kind == "cpu":
         return dict(common, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",

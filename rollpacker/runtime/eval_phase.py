@@ -30,6 +30,7 @@ import logging
 import time
 import zlib
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,8 @@ class EvalPhase:
                     # adapt=False: the code timeouts learned from training prompts stay as training left them
                     scoring[c.request_id] = (c, self.pool.submit(p.data_source, c.output_ids, p.ground_truth,
                                                                  adapt=False))
-            else:
-                time.sleep(0.005)
+            else:  # only scores are left to come
+                wait([f for _, f in scoring.values()], return_when=FIRST_COMPLETED)
             for rid, (c, future) in list(scoring.items()):
                 if future.done():
                     del scoring[rid]

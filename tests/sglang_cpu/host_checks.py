@@ -46,6 +46,7 @@ from engine_checks import (CPU_ENGINE_ARGS, Reference, backend_generate, check_b
 from lifecycle_checks import start_under_torchrun
 
 DEATH_TIMEOUT_S = 60  # the host's watch notices a dead sglang process within about a second
+IDLE_S, IDLE_CPU_SHARE = 2.0, 0.25  # an idle engine's process may use a quarter of a core (it uses ~1%)
 
 
 def alive(pid: int) -> bool:
@@ -101,6 +102,22 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_seconds(hosts: list[int], seconds: float) -> dict[str, float]:
+    """CPU seconds each process of the engines under ``hosts`` (hosts, schedulers, detokenizers)
+    uses over ``seconds`` in which nothing is asked of them."""
+    pids = sorted(set(hosts).union(*(descendants(h) for h in hosts)))
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    time.sleep(seconds)
+    names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids}
+    return {f"{names[pid]}[{pid}]": round(cpu_seconds(pid) - before[pid], 3) for pid in pids}
+
+
 def host_checks(ref: Reference, tp1, tp2) -> dict:
     from rollpacker.rollout.engine import GenerationRequest, SamplingParams
     from rollpacker.rollout.sglang_backend import EngineDiedError
@@ -117,6 +134,15 @@ def host_checks(ref: Reference, tp1, tp2) -> dict:
         eng.update_weights(iter(weights))
         verdict[f"{name}_greedy_after_push_matches_transformers"] = compare(
             f"{name} after push", backend_generate(eng, f"{name}-a", prompts), want)
+
+    # Idle engines sleep (``sleep_on_idle``): a spinning scheduler would take a whole core, IDLE_S CPU
+    # seconds over IDLE_S seconds, from the trainer and the reward workers on the same node.
+    used = idle_cpu_seconds([tp1.host_pid, tp2.host_pid], IDLE_S)
+    verdict["idle_engine_cpu_seconds"] = used
+    busiest = max(used.values())
+    verdict["idle_engines_sleep"] = (
+        True if busiest < IDLE_CPU_SHARE * IDLE_S
+        else f"over {IDLE_S}s with no request, a process of the idle engines used {busiest:.2f} CPU s: {used}")
 
     # L9: the rank's other children survive an engine's shutdown.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
