@@ -14,15 +14,22 @@ from __future__ import annotations
 import logging
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from rollpacker.runtime.preflight import preflight
-from rollpacker.runtime.run import Run
-from rollpacker.runtime.world import World
-
-
-@record  # torchrun's failure summary then names the rank that failed first, with its traceback
 def main(argv: list[str] | None = None) -> int:
+    # Imported here, not at the top: a forkserver or spawn child (every reward worker) runs the top
+    # of the parent's main module, and torch, Megatron and transformers would cost each worker
+    # seconds of CPU and hundreds of MB before it scores anything.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # torchrun's failure summary then names the rank that failed first, with its traceback
+    return record(_train)(argv)
+
+
+def _train(argv: list[str] | None) -> int:
+    from rollpacker.runtime.preflight import preflight
+    from rollpacker.runtime.run import Run
+    from rollpacker.runtime.world import World
+
     pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
     world = World.init(pre.cfg.run.threads_per_rank)
     logging.basicConfig(level=logging.INFO if world.rank == 0 else logging.WARNING,

@@ -236,3 +236,20 @@ def test_token_ids_need_a_pool_with_a_tokenizer():
     with RewardPool(RewardConfig(num_workers=1)) as pool:
         with pytest.raises(ValueError, match="tokenizer"):
             pool.submit("math", [1, 2, 3], "6")
+
+
+def test_a_worker_of_the_training_program_does_not_import_its_trainer():
+    """A forkserver (or spawn) child first runs the parent's main module as ``__mp_main__``
+    (``multiprocessing.spawn._fixup_main_from_name``: ``runpy.run_module``). Under ``python -m
+    rollpacker.train`` every reward worker does so with ``rollpacker.train``: with torch, Megatron and
+    transformers at its top, each worker spent about 5 CPU seconds and 370 MB before its first score,
+    and the first round waited for it. Done here as multiprocessing does it, in a fresh interpreter."""
+    probe = ("import runpy, sys, resource; runpy.run_module('rollpacker.train', run_name='__mp_main__', "
+             "alter_sys=True); print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules), "
+             "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert out.returncode == 0, out.stderr
+    heavy, rss_mb = out.stdout.rsplit(" ", 1)
+    print(f"modules a worker imports from the entry point: {heavy}; max RSS {rss_mb} MB")
+    assert heavy == "[]" and int(rss_mb) < 100
