@@ -244,12 +244,13 @@ def test_a_worker_of_the_training_program_does_not_import_its_trainer():
     rollpacker.train`` every reward worker does so with ``rollpacker.train``: with torch, Megatron and
     transformers at its top, each worker spent about 5 CPU seconds and 370 MB before its first score,
     and the first round waited for it. Done here as multiprocessing does it, in a fresh interpreter."""
-    probe = ("import runpy, sys, resource; runpy.run_module('rollpacker.train', run_name='__mp_main__', "
-             "alter_sys=True); print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules), "
-             "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+    # the resident set now (VmRSS): ru_maxrss would report the parent's peak, which Linux carries over a fork
+    probe = ("import re, runpy, sys; runpy.run_module('rollpacker.train', run_name='__mp_main__', alter_sys=True); "
+             "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules), "
+             "int(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) // 1024)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert out.returncode == 0, out.stderr
     heavy, rss_mb = out.stdout.rsplit(" ", 1)
-    print(f"modules a worker imports from the entry point: {heavy}; max RSS {rss_mb} MB")
+    print(f"modules a worker imports from the entry point: {heavy}; resident {rss_mb} MB")
     assert heavy == "[]" and int(rss_mb) < 100
