@@ -39,6 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch.distributed as dist
 
 from engine_checks import (CPU_ENGINE_ARGS, Reference, backend_generate, check_backend, check_engine, compare,
@@ -102,20 +103,13 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (``/proc/PID/stat`` fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu_seconds(hosts: list[int], seconds: float) -> dict[str, float]:
     """CPU seconds each process of the engines under ``hosts`` (hosts, schedulers, detokenizers)
     uses over ``seconds`` in which nothing is asked of them."""
-    pids = sorted(set(hosts).union(*(descendants(h) for h in hosts)))
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    procs = [psutil.Process(pid) for pid in sorted(set(hosts).union(*(descendants(h) for h in hosts)))]
+    before = {p.pid: sum(p.cpu_times()[:2]) for p in procs}
     time.sleep(seconds)
-    names = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in pids}
-    return {f"{names[pid]}[{pid}]": round(cpu_seconds(pid) - before[pid], 3) for pid in pids}
+    return {f"{p.name()}[{p.pid}]": round(sum(p.cpu_times()[:2]) - before[p.pid], 3) for p in procs}
 
 
 def host_checks(ref: Reference, tp1, tp2) -> dict:
