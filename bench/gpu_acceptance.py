@@ -8,7 +8,7 @@ On the GPU machine (one GPU, no package index; bring the wheels made by bench/gp
 Anywhere, as a dry run of the same code on tiny shapes (the test suite runs it, with ``--skip`` for
 the checks another test already runs: tests/test_gpu_acceptance.py says which)::
 
-    python -m bench.gpu_acceptance --device cpu --out OUT
+    python -m bench.gpu_acceptance --device cpu --out OUT [--jobs 2]
 
 Subjects: the shipped policy, and a random model of Qwen2.5-0.5B's shape (a tiny random model on
 CPU). Checks, each recorded with its figures and verdict even when another fails:
@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -100,13 +102,7 @@ class Report:
         self.out, self.results = out, {"env": _environment(device), "checks": {}}
         out.mkdir(parents=True, exist_ok=True)
 
-    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        t0 = time.perf_counter()
-        try:
-            result = fn()
-        except Exception as exc:  # record and go on: one GPU call must report every check
-            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        result["seconds"] = time.perf_counter() - t0
+    def record(self, name: str, result: dict[str, Any]) -> None:
         self.results["checks"][name] = result
         print(f"[acceptance] {name}: {'ok' if result['ok'] else 'FAIL'} ({result['seconds']:.1f}s)"
               + (f" {result['error']}" if "error" in result else ""), flush=True)
@@ -124,6 +120,18 @@ class Report:
     @property
     def passed(self) -> bool:
         return all(c["ok"] for c in self.results["checks"].values())
+
+
+def measured(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``'s result with its seconds; a check that raises is recorded as failed, and the run goes
+    on: one GPU call must report every check."""
+    t0 = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result["seconds"] = time.perf_counter() - t0
+    return result
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -265,25 +273,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", help="run only the checks whose names start with these")
     p.add_argument("--skip", nargs="*", help="leave out the checks whose names start with these (each is "
                    "reported as skipped: the CPU suite leaves out what another test already runs)")
+    p.add_argument("--jobs", type=int, default=1, help="checks run at once, each still in a process of its "
+                   "own (CPU only: on a GPU they would share its memory)")
     args = p.parse_args(argv)
     if args.command == "grad-reference":
         trainer.cpu_reference_gradients(args.model_dir, args.out, args.seed)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; use --device cpu for the dry run")
+    if args.jobs < 1 or (args.device == "cuda" and args.jobs != 1):
+        p.error(f"--jobs {args.jobs}: must be 1 on cuda (each check assumes the device to itself), >= 1 on cpu")
     if args.command == "check":
         run_one(torch.device(args.device), args.work, args.name, args.result)
         return 0
-    return run(torch.device(args.device), args.out, only=args.only, skip=args.skip)
+    return run(torch.device(args.device), args.out, only=args.only, skip=args.skip, jobs=args.jobs)
 
 
 def _matches(name: str, prefixes: list[str] | None) -> bool:
     return any(name.startswith(o) or name.split("/")[-1].startswith(o) for o in prefixes or [])
 
 
-def run(device: torch.device, out: Path, only: list[str] | None = None, skip: list[str] | None = None) -> int:
+def run(device: torch.device, out: Path, only: list[str] | None = None, skip: list[str] | None = None,
+        jobs: int = 1) -> int:
     """Each check in a process of its own: a failed or leaky check cannot starve the next one of
-    device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``)."""
+    device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``). With
+    ``jobs`` > 1 (CPU), that many at once: most checks keep one core busy, so on CPU they can share
+    the machine; results are still recorded in the checks' order."""
     from rollpacker.testing import make_random_qwen2
 
     sizes = GPU if device.type == "cuda" else CPU
@@ -292,20 +307,26 @@ def run(device: torch.device, out: Path, only: list[str] | None = None, skip: li
     work.mkdir(exist_ok=True)
     if not (work / sizes.shape_name / "config.json").exists():
         make_random_qwen2(work / sizes.shape_name, seed=11, **sizes.shape)
+    chosen = []
     for name in check_names(device):
         if only and not _matches(name, only):
             continue
         if _matches(name, skip):
             report.skip(name)
             continue
-        result_file = work / (name.replace("/", "__") + ".json")
-        result_file.unlink(missing_ok=True)
-        report.run(name, lambda name=name, f=result_file: _in_subprocess(device, work, name, f))
+        chosen.append(name)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = {name: pool.submit(measured, functools.partial(_in_subprocess, device, work, name))
+                   for name in chosen}
+        for name in chosen:
+            report.record(name, running[name].result())
     print(f"[acceptance] {'PASS' if report.passed else 'FAIL'}: {out / 'acceptance.md'}", flush=True)
     return 0 if report.passed else 1
 
 
-def _in_subprocess(device: torch.device, work: Path, name: str, result_file: Path) -> dict[str, Any]:
+def _in_subprocess(device: torch.device, work: Path, name: str) -> dict[str, Any]:
+    result_file = work / (name.replace("/", "__") + ".json")
+    result_file.unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_acceptance", "--device", device.type, "check", name,
                            str(work), str(result_file)], cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0 or not result_file.exists():

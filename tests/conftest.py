@@ -1,13 +1,22 @@
-"""Suite-wide rule: under ``CI=true`` a skipped test fails the run, unless it is listed below with why.
+"""Suite-wide rules and the SGLang CPU venv.
 
-A skip in CI means a check the README relies on did not run; pytest reports it as a pass-with-note
-(``-ra`` prints it), which a green CI run hides. Only skips whose cause CI cannot remove are allowed.
+- Under ``CI=true`` a skipped test fails the run, unless it is listed below with why. A skip in CI
+  means a check the README relies on did not run; pytest reports it as a pass-with-note (``-ra``
+  prints it), which a green CI run hides. Only skips whose cause CI cannot remove are allowed.
+- The tests that run the real SGLang engine take the ``sglang_venv_python`` fixture. When any of
+  them is collected, the venv's build (or the check that it is current) starts in the background at
+  once (``tests/sglang_cpu/env.py``) and overlaps the tests before them.
 """
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+from pathlib import Path
 
 import pytest
+
+from tests.sglang_cpu.env import CACHE, build_in_background, sglang_python
 
 # node id prefix -> why CI may skip it
 ALLOWED_CI_SKIPS = {
@@ -15,6 +24,18 @@ ALLOWED_CI_SKIPS = {
 }
 
 _skipped: list[tuple[str, str]] = []
+_venv_build: list[subprocess.Popen] = []
+
+
+@pytest.fixture(scope="session")
+def sglang_venv_python() -> Path:
+    return sglang_python()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly and any(
+            "sglang_venv_python" in getattr(item, "fixturenames", ()) for item in session.items):
+        _venv_build.append(build_in_background(CACHE / "background-build.log"))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -24,6 +45,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for proc in _venv_build:  # still building only if the run ended first (a build cut short leaves no stamp)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     if os.environ.get("CI") == "true" and _skipped:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -10,6 +10,9 @@ the program on SGLang in both modes, which the suite already runs with the same 
 ``train/logprob_mismatch_max``: tail batching in tests/test_sglang_real.py (both program tests), the
 baseline in tests/test_multinode.py (the SGLang test). The same harness (``check_program``) still runs
 here on the reference engine; the GPU run (``--device cuda``) runs every check.
+
+Two checks run at a time (``--jobs 2``), each in its own process as on the GPU: most of them keep one
+core busy (about half the machine idle when they ran one by one).
 """
 from __future__ import annotations
 
@@ -18,15 +21,15 @@ import subprocess
 
 import pytest
 
-from tests.sglang_cpu.env import REPO, engine_env, sglang_python
+from tests.sglang_cpu.env import REPO, engine_env
 
 COVERED_ELSEWHERE = ["program/sglang_baseline_vs_tail_batching"]  # see the module's docstring
 
 
 @pytest.mark.timeout(1600)  # its own subprocess limit is 1500 s
-def test_acceptance_dry_run_passes_every_check_and_writes_its_report(tmp_path):
-    proc = subprocess.run([str(sglang_python()), "-m", "bench.gpu_acceptance", "--device", "cpu", "--out",
-                           str(tmp_path), "--skip", *COVERED_ELSEWHERE], cwd=REPO, env=engine_env(),
+def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv_python, tmp_path):
+    proc = subprocess.run([str(sglang_venv_python), "-m", "bench.gpu_acceptance", "--device", "cpu", "--out",
+                           str(tmp_path), "--skip", *COVERED_ELSEWHERE, "--jobs", "2"], cwd=REPO, env=engine_env(),
                           capture_output=True, text=True, timeout=1500)
     print(proc.stdout[-4000:])
     results = json.loads((tmp_path / "acceptance.json").read_text())

@@ -221,10 +221,10 @@ def _engine_hosts(rank_pid: int) -> int:
         return 0
 
 
-def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(tmp_path):
-    from tests.sglang_cpu.env import engine_env, sglang_python
+def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sglang_venv_python, tmp_path):
+    from tests.sglang_cpu.env import engine_env
 
-    python = str(sglang_python())  # the suite's SGLang CPU venv (test_sglang_real.py), built if missing
+    python = str(sglang_venv_python)  # the suite's SGLang CPU venv (tests/conftest.py)
     run_dir = tmp_path / "runs" / "sglang"
     engine_ports = [free_base_port(1) for _ in range(2)]
     args = ["-m", "rollpacker.train", "--config", str(TINY), f"run.output_dir={run_dir.parent}",

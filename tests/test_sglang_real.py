@@ -17,17 +17,12 @@ import pytest
 from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.testing import kill_group, run_in_session
-from tests.sglang_cpu.env import REPO, engine_env, sglang_python
+from tests.sglang_cpu.env import REPO, engine_env
 
 CHECKS = Path(__file__).resolve().parent / "sglang_cpu" / "host_checks.py"
 POLICY = REPO / "assets" / "policy"
 CHECKS_TIMEOUT_S = 720
 TIMEOUT_S = 300
-
-
-@pytest.fixture(scope="session")
-def sglang_venv_python() -> Path:
-    return sglang_python()
 
 
 def run_in_venv(cmd: list[str], what: str, timeout: float) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.testing import run_torchrun
 from tests.sglang_cpu.env import REPO
-from tests.test_sglang_real import PROGRAM_TIMEOUT_S, run_in_venv, sglang_venv_python  # noqa: F401 (fixture)
+from tests.test_sglang_real import PROGRAM_TIMEOUT_S, run_in_venv
 from tests.test_train_program import FAST
 
 STALE = "tests/dist/stale_sync.py"

@@ -9,14 +9,13 @@ engine). Same arguments as ``python -m rollpacker.train``.
 from __future__ import annotations
 
 import sys
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rollpacker import train
-from rollpacker.runtime.engines import EngineSets
+    from rollpacker.runtime.engines import EngineSets
 
-_real_push = EngineSets.push
 _first: dict[str, torch.Tensor] = {}
 
 
@@ -31,5 +30,10 @@ def _stale_push(self: EngineSets, named_tensors: Iterator[tuple[str, torch.Tenso
 
 
 if __name__ == "__main__":
+    # imported here: the reward workers run this file as their main module (see tests/dist/train_stop_at.py)
+    from rollpacker import train
+    from rollpacker.runtime.engines import EngineSets
+
+    _real_push = EngineSets.push
     EngineSets.push = _stale_push
     sys.exit(train.main())

@@ -18,11 +18,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rollpacker import checkpoint
-from rollpacker.runtime.run import Run
-from rollpacker.train import main
-from rollpacker.trainer.stream import StreamTrainer
+if TYPE_CHECKING:
+    from rollpacker.runtime.run import Run
+    from rollpacker.trainer.stream import StreamTrainer
 
 POINTS = ("rollout", "stream_train", "checkpoint")
 POINT, RANK, STEP, MARKER = (os.environ[k] for k in ("STOP_AT", "STOP_RANK", "STOP_STEP", "STOP_MARKER"))
@@ -40,45 +40,37 @@ def _stop_here(point: str) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _around(owner, name: str):
-    """Replace ``owner.name`` by the decorated function, which gets the original first."""
-    def replace(hook):
-        original = getattr(owner, name)
+def _around(owner, name: str, hook) -> None:
+    """Replace ``owner.name`` by ``hook``, which gets the original first."""
+    original = getattr(owner, name)
 
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            return hook(original, *args, **kwargs)
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return hook(original, *args, **kwargs)
 
-        setattr(owner, name, wrapped)
-        return hook
-    return replace
+    setattr(owner, name, wrapped)
 
 
-@_around(Run, "resume")
 def _resume(original, run: Run) -> int:
     _state["step"] = original(run)  # the last completed step
     return _state["step"]
 
 
-@_around(Run, "plan_round")
 def _plan_round(original, run: Run, *args):
     _state["step"] += 1  # the first phase of every step
     return original(run, *args)
 
 
-@_around(Run, "rollout")
 def _rollout(original, run: Run, *args):
     _stop_here("rollout")
     return original(run, *args)
 
 
-@_around(StreamTrainer, "consume")
 def _consume(original, stream: StreamTrainer, *args):
     _stop_here("stream_train")
     return original(stream, *args)
 
 
-@_around(checkpoint, "_atomic_torch_save")
 def _save(original, obj, path: Path) -> None:
     original(obj, path)
     if path.name == f"rank{int(RANK):05d}.pt":
@@ -86,4 +78,14 @@ def _save(original, obj, path: Path) -> None:
 
 
 if __name__ == "__main__":
+    # imported here, not at the top: the reward workers run this file as their main module
+    # (forkserver) and must not pay for the trainer's imports (rollpacker/train.py does the same)
+    from rollpacker import checkpoint
+    from rollpacker.runtime.run import Run
+    from rollpacker.train import main
+    from rollpacker.trainer.stream import StreamTrainer
+
+    for owner, name, hook in ((Run, "resume", _resume), (Run, "plan_round", _plan_round), (Run, "rollout", _rollout),
+                              (StreamTrainer, "consume", _consume), (checkpoint, "_atomic_torch_save", _save)):
+        _around(owner, name, hook)
     sys.exit(main(sys.argv[1:]))

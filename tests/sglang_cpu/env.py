@@ -250,6 +250,18 @@ def sglang_python(requested: str | None = None) -> Path:
     return _python(venv)
 
 
+def build_in_background(log: Path) -> subprocess.Popen:
+    """``sglang_python()`` started in a process of its own (this file run as a script), its output to
+    ``log``. A test run that will need the venv starts it at collection, so that a build (about 70 s,
+    most of it on one core) overlaps the tests before the first one that needs it. That test's own
+    ``sglang_python()`` waits on the lock, then finds the venv current; if the background build failed,
+    it builds again and fails with pip's reason."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, str(Path(__file__).resolve())], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def engine_env(base_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a process that starts an sglang engine with the venv's python."""
     env = dict(os.environ if base_env is None else base_env)
