@@ -9,9 +9,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,11 @@ def sglang_venv_python() -> Path:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not session.config.option.collectonly and any(
             "sglang_venv_python" in getattr(item, "fixturenames", ()) for item in session.items):
-        _venv_build.append(build_in_background(CACHE / "background-build.log"))
+        proc = build_in_background(CACHE / "background-build.log")
+        # reaped as soon as it ends: a finished child left unwaited is a zombie of this process, which
+        # tests that count this process's zombies would see (tests/test_reward_pool.py)
+        threading.Thread(target=proc.wait, name="sglang-venv-build-reaper", daemon=True).start()
+        _venv_build.append(proc)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -47,7 +53,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for proc in _venv_build:  # still building only if the run ended first (a build cut short leaves no stamp)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     if os.environ.get("CI") == "true" and _skipped:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
