@@ -9,15 +9,14 @@
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
+from rollpacker.testing import kill_group
 from tests.sglang_cpu.env import CACHE, build_in_background, sglang_python
 
 # node id prefix -> why CI may skip it
@@ -53,8 +52,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for proc in _venv_build:  # still building only if the run ended first (a build cut short leaves no stamp)
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc.pid)
         proc.wait()
     if os.environ.get("CI") == "true" and _skipped:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
