@@ -140,10 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(len(prompts)):
             for k in range(args.n):
                 c = done[request_id(i, k)]
-                row = {"index": i, "sample": k, "output_ids": c.output_ids, "logprobs": c.logprobs,
+                ids = list(c.output_ids)  # packed arrays when the engine is in another process
+                row = {"index": i, "sample": k, "output_ids": ids, "logprobs": list(c.logprobs),
                        "finish_reason": c.finish_reason}
                 if tokenizer is not None:
-                    row["text"] = tokenizer.decode(c.output_ids)
+                    row["text"] = tokenizer.decode(ids)
                 out.write(json.dumps(row) + "\n")
     tokens = sum(len(c.output_ids) for c in done.values())
     print(f"{len(done)} completions, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass
@@ -29,8 +29,8 @@ class Prompt:
 class Sample:
     prompt: Prompt
     response_index: int  # 0..n-1 among the responses launched for this prompt
-    response_ids: list[int] = field(default_factory=list)
-    rollout_logprobs: list[float] = field(default_factory=list)
+    response_ids: Sequence[int] = field(default_factory=list)  # as the engine's completion holds them
+    rollout_logprobs: Sequence[float] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # reward
     reward: float | None = None

@@ -6,8 +6,13 @@ latency, so completion, scoring and abort interleave as they would live.
 """
 from __future__ import annotations
 
+import array
+import dataclasses
+import gc
 import json
+import pickle
 import random
+import weakref
 from collections import Counter
 
 import pytest
@@ -62,6 +67,8 @@ class RecordingSource(ListPromptSource):
 
 
 class Harness:
+    engine_cls = RecordingEngine
+
     def __init__(self, mode="tail_batching", *, p0=8, r0=4, eta=1.25, trace=None, num_prompts=40, engines=2,
                  limit=4096, median=None, seed=0, async_reward=True, reward_fn=None, latency=None,
                  kv_capacity=None, planner=False):
@@ -87,7 +94,7 @@ class Harness:
     def round(self, on_group_done=None, handoff=None):
         plan = self.scheduler.plan_round()
         perf = PerfModel(TINY, H800, plan.tp)
-        self.last_engines = [RecordingEngine(perf, self.clock, self.oracle, engine_id=i,
+        self.last_engines = [self.engine_cls(perf, self.clock, self.oracle, engine_id=i,
                                              kv_capacity_tokens=self.kv_capacity and self.kv_capacity * plan.tp)
                              for i in range(self.engines_n // plan.tp)]
         result = self.scheduler.run_round(plan, self.last_engines, self.sink, clock=self.clock,
@@ -216,6 +223,79 @@ def test_groups_stream_to_callback_in_completion_order():
     assert [g for _, g in seen] == result.groups
     times = [t for t, _ in seen]
     assert times == sorted(times) and times[0] < result.stats.rollout_seconds  # streamed during the round
+
+
+class ShippedEngine(RecordingEngine):
+    """Hands its completions over as a remote engine's reach rank 0: pickled and unpickled."""
+
+    def poll(self, timeout=0.0):
+        self.shipped = pickle.loads(pickle.dumps(super().poll(timeout)))
+        self.received = getattr(self, "received", {}) | {c.request_id: c for c in self.shipped}
+        return self.shipped
+
+
+def test_completions_from_another_process_reach_the_batch_still_packed():
+    """Rank 0 makes no Python object per token of a remote engine's response: the tokens arrive as
+    packed arrays and the batch holds those very arrays, which the trainer packs like lists."""
+    import torch
+
+    from rollpacker.trainer.packing import TOKEN_FIELDS, build_micro_batch
+
+    h = Harness(p0=4, r0=2)
+    h.engine_cls = ShippedEngine
+    _, result = h.round()
+    received = {k: c for e in h.last_engines for k, c in getattr(e, "received", {}).items()}
+    for s in result.samples:
+        c = received[s.request_id]
+        assert s.response_ids is c.output_ids and s.rollout_logprobs is c.logprobs
+        assert (s.response_ids.typecode, s.rollout_logprobs.typecode) == ("i", "d") and s.num_response_tokens > 0
+    s = result.samples[0].replace(advantage=1.0)
+    as_lists = s.replace(response_ids=list(s.response_ids), rollout_logprobs=list(s.rollout_logprobs))
+    packed, listed = (build_micro_batch([x], aggregation="seq_mean", layout="padded") for x in (s, as_lists))
+    for name in TOKEN_FIELDS:
+        torch.testing.assert_close(getattr(packed, name), getattr(listed, name), rtol=0, atol=0, equal_nan=True)
+    print(f"{len(result.samples)} samples, {sum(map(len, (x.response_ids for x in result.samples)))} tokens, "
+          "all in the arrays they arrived in")
+
+
+def test_a_round_keeps_full_collections_off_the_older_heap_and_hands_it_back():
+    """While a round runs, what existed before it is frozen (exempt from the cyclic collector's full
+    passes); afterwards it is the collector's again: a cycle dropped mid-round is collected."""
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    holder, during = [cycle], []
+    del cycle
+    h = Harness(p0=4, r0=2)
+
+    def on_group(group):
+        during.append(gc.get_freeze_count())
+        holder.clear()
+
+    assert gc.get_freeze_count() == 0
+    h.round(on_group_done=on_group)
+    assert min(during) > 0 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None, "a cycle from before the round stayed frozen"
+    gc.freeze()  # someone else's frozen heap is left as it is
+    try:
+        h.round()
+        assert gc.get_freeze_count() > 0, "the round unfroze a heap it had not frozen"
+    finally:
+        gc.unfreeze()
+    print(f"frozen during the round: {min(during)} objects")
+
+
+def test_with_seed_is_replace_of_the_seed():
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=9, stop_token_ids=(3,), seed=1)
+    q = p.with_seed(42)
+    assert q == dataclasses.replace(p, seed=42) and hash(q) == hash(dataclasses.replace(p, seed=42)) and p.seed == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.seed = 3
 
 
 def test_reward_after_rollout_mode():

@@ -150,7 +150,7 @@ class RewardPool:
             if not isinstance(response, str):  # the judge runs here, not in a worker
                 response = self._tokenizer.decode(list(response), skip_special_tokens=True)
             return self._judge.submit(response, label)
-        if not isinstance(response, str):
+        if not isinstance(response, (str, array.array)):
             response = array.array("i", response)  # pickles as its bytes: the cheapest way to a worker
         request = self._request(scorer, response, label, key)
         request.adapt = adapt

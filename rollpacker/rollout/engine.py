@@ -52,6 +52,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
+    def with_seed(self, seed: int | None) -> "SamplingParams":
+        """These parameters with another seed: made per request, where ``dataclasses.replace`` (which
+        rebuilds every field through ``__init__``) was a tenth of rank 0's launch."""
+        params = object.__new__(SamplingParams)
+        params.__dict__.update(self.__dict__, seed=seed)
+        return params
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature}")
@@ -89,24 +96,28 @@ class GenerationRequest:
 
 @dataclass
 class Completion:
+    """One finished (or evicted) request. Its tokens are sequences: lists as an in-process engine
+    makes them, packed arrays (``array('i')``, ``array('d')``) once the completion crossed a process
+    boundary; compare them with ``list(...)``."""
+
     request_id: str
-    output_ids: list[int]
-    logprobs: list[float]  # log p of each output token under the sampling distribution's model
+    output_ids: Sequence[int]
+    logprobs: Sequence[float]  # log p of each output token under the sampling distribution's model
     finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
     submitted_at: float = 0.0
     finished_at: float = 0.0
     engine_id: int = 0
 
     def __reduce__(self):
-        # Between processes (an engine's server to rank 0) the tokens travel as packed arrays:
-        # unpickling a list makes a Python object per token, the largest cost rank 0 paid per
-        # response. Logprobs stay float64, exactly as the engine reported them.
-        return _unpacked, (self.request_id, array.array("i", self.output_ids), array.array("d", self.logprobs),
-                           self.finish_reason, self.submitted_at, self.finished_at, self.engine_id)
+        # Between processes (an engine's server to rank 0) the tokens travel, and stay, packed: a
+        # Python object per token, made on unpickling or copying, was the largest cost rank 0 paid
+        # per response. Logprobs stay float64, exactly as the engine reported them.
+        return Completion, (self.request_id, _packed("i", self.output_ids), _packed("d", self.logprobs),
+                            self.finish_reason, self.submitted_at, self.finished_at, self.engine_id)
 
 
-def _unpacked(request_id: str, output_ids: array.array, logprobs: array.array, *rest) -> Completion:
-    return Completion(request_id, output_ids.tolist(), logprobs.tolist(), *rest)
+def _packed(typecode: str, values: Sequence) -> array.array:
+    return values if isinstance(values, array.array) and values.typecode == typecode else array.array(typecode, values)
 
 
 @dataclass

@@ -23,7 +23,6 @@ after the round closes; ``on_group_done`` then fires after that stage.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import zlib
 
 from dataclasses import dataclass, field
@@ -119,12 +118,12 @@ class RoundRunner:
             self.groups.append(group)
             for r in range(self.plan.n_responses):
                 sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
-                self.by_request[sample.request_id] = (group, sample)
-                group.open.add(sample.request_id)
-                params = dataclasses.replace(self.sampling, seed=request_seed(self.sampling.seed, self.plan.index,
-                                                                              sample.request_id))
-                requests.append(GenerationRequest(sample.request_id, prompt.input_ids, params))
-                self.requests[sample.request_id] = requests[-1]
+                rid = sample.request_id
+                self.by_request[rid] = (group, sample)
+                group.open.add(rid)
+                params = self.sampling.with_seed(request_seed(self.sampling.seed, self.plan.index, rid))
+                self.requests[rid] = GenerationRequest(rid, prompt.input_ids, params)
+                requests.append(self.requests[rid])
         self.driver.submit(requests)
 
     def _maybe_hand_off(self) -> None:
@@ -150,8 +149,8 @@ class RoundRunner:
             return
         self.finished[0] += 1
         self.finished[1] += len(c.output_ids)
-        sample.response_ids = list(c.output_ids)
-        sample.rollout_logprobs = list(c.logprobs)
+        sample.response_ids = c.output_ids  # not copied: per token, that was rank 0's largest cost
+        sample.rollout_logprobs = c.logprobs
         sample.finish_reason = c.finish_reason
         sample.finished_at = self.clock.now()
         if self.async_reward:
@@ -249,10 +248,11 @@ class RoundRunner:
 
     def _trace(self, start: float, rollout_end: float) -> RoundTrace:
         requests = []
+        done = {id(s) for g in self.groups if g.complete for s in g.ready}
         for rid, (group, sample) in self.by_request.items():  # launch order
             if not group.complete:
                 outcome = Outcome.DEFERRED
-            elif not any(s is sample for s in group.ready):
+            elif id(sample) not in done:
                 outcome = Outcome.ABORTED
             else:
                 outcome = Outcome.TRAINED if group.kept else Outcome.FILTERED

@@ -148,7 +148,7 @@ def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, t
     eng.submit([GenerationRequest(f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)])
     done, deadline = {}, time.monotonic() + timeout_s
     while len(done) < len(prompts) and time.monotonic() < deadline:
-        done.update((c.request_id, c.output_ids) for c in eng.poll(timeout=1.0))
+        done.update((c.request_id, list(c.output_ids)) for c in eng.poll(timeout=1.0))  # arrays from the host
     return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
 
 
