@@ -136,7 +136,7 @@ def policy_round(policy: Path, num_prompts: int, responses: int, seed: int) -> L
     prompts = sorted(data.take(8 * num_prompts), key=lambda p: -p.extra_info["num_steps"])[:num_prompts]
 
     def score(s: Sample) -> Score:
-        correct, reason = task.score_response(tok.decode(s.response_ids, skip_special_tokens=True),
+        correct, reason = task.score_response(tok.decode(list(s.response_ids), skip_special_tokens=True),
                                               s.prompt.ground_truth)
         return Score(float(correct), correct, reason)
     return LongRound(prompts, 512, (tok.eos_token_id,), score)

@@ -71,7 +71,7 @@ class LLMJudge:
         texts: dict[str, str] = {}
         while len(texts) < len(ids) and time.monotonic() - start < self._timeout:
             for done in self._engine.poll(timeout=0.05):
-                texts[done.request_id] = self._tokenizer.decode(done.output_ids, skip_special_tokens=True)
+                texts[done.request_id] = self._tokenizer.decode(list(done.output_ids), skip_special_tokens=True)
         self._engine.abort([rid for rid in ids if rid not in texts])
         seconds = time.monotonic() - start
         return [self._verdict_score(texts.get(rid), seconds) for rid in ids]
