@@ -177,7 +177,10 @@ class EngineServer:
         method, args = self._channel.sock.recv_pyobj()
         if method == _STOP:
             self._channel.sock.send_pyobj(("ok", None))
-            self._token, self._rang = b"", False
+            # whatever the round left here must not reach the next one: a request id comes back when
+            # its deferred prompt is launched again, and a response sampled under older weights
+            # would pass for the new one's
+            self._token, self._rang, self._done = b"", False, []
             return args[0]
         self._channel.sock.send_pyobj(self._handle(engine, method, args))
         self._ring()
@@ -219,6 +222,11 @@ class EngineServer:
                     self._watch(*watch)
                 engine.submit(requests)
                 return "ok", None
+            if method == "abort":  # an aborted request is never returned, even one already finished here
+                ids = set(args[0])
+                self._done = [c for c in self._done if c.request_id not in ids]
+                self._rang = self._rang and bool(self._done)
+                return "ok", engine.abort(list(ids))
             if method == "evict":  # finished but not yet collected ones are handed back too
                 ids = set(args[0])
                 handed = [c for c in self._done if c.request_id in ids]

@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from rollpacker.coordinator import EngineServer, Endpoint, GroupInbox, PeerLostError, RemoteEngine
+from rollpacker.coordinator import ROUND_END, Bell, EngineServer, Endpoint, GroupInbox, PeerLostError, RemoteEngine
+from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.testing import REPO_ROOT
 
 
@@ -79,6 +80,28 @@ class Refuses(Gate):
 
         print("refused", [r.request_id for r in requests], flush=True)
         raise RequestError("no room")
+
+
+class FinishesAtOnce:
+    """An engine whose every request finishes the first time its server steps it."""
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+
+    def submit(self, requests) -> None:
+        self.pending += [r.request_id for r in requests]
+
+    def active_request_ids(self) -> list[str]:
+        return list(self.pending)
+
+    def poll(self, timeout=0.0):
+        from rollpacker.rollout.engine import Completion
+
+        done, self.pending = self.pending, []
+        return [Completion(rid, [1, 2], [-0.5, -0.5], "stop") for rid in done]
+
+    def abort(self, request_ids) -> None:
+        self.pending = [rid for rid in self.pending if rid not in set(request_ids)]
 
 
 def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
@@ -240,3 +263,42 @@ def _raised(call: Callable[[], object]) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001 - handed to the test
         return exc
     return None
+
+
+def test_a_finished_response_aborted_or_left_at_a_round_end_never_reaches_a_later_poll():
+    """The server's buffer keeps the engine's contract: an aborted request is not returned, even one
+    that finished before the abort came, and what a round left is gone when the next round starts
+    (a deferred prompt is launched again under the same request ids: a stale response returned then
+    would be one sampled under the older weights)."""
+    server = child("""
+        from rollpacker.coordinator import EngineServer
+        from test_coordinator import FinishesAtOnce
+        server = EngineServer()
+        print(server.port, flush=True)
+        while True:
+            server.serve(FinishesAtOnce())
+    """)
+    bell = Bell()
+    proxy = RemoteEngine(Endpoint(1, f"tcp://127.0.0.1:{int(server.stdout.readline())}", ""), engine_id=1,
+                         timeout_s=60, bell=bell)
+
+    def finished(rid: str) -> None:  # the server holds its completion, not yet polled
+        proxy.submit([GenerationRequest(rid, [1], SamplingParams())])
+        assert bell.rung(30) == {proxy.bell_token}, f"{rid} did not finish"
+
+    try:
+        finished("a")
+        proxy.abort(["a"])
+        finished("b")
+        after_abort = [c.request_id for c in proxy.poll()]
+        finished("c")
+        proxy.stop_serving(ROUND_END)
+        finished("d")  # the next round
+        next_round = [c.request_id for c in proxy.poll()]
+    finally:
+        proxy.shutdown()
+        bell.close()
+        server.kill()
+        server.wait()
+    print(f"polled after the abort: {after_abort}; in the next round: {next_round}")
+    assert after_abort == ["b"] and next_round == ["d"]
