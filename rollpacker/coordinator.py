@@ -191,6 +191,13 @@ class EngineServer:
         self._done.extend(engine.poll(0.0))
         self._ring()
 
+    def _take(self, ids: set[str]) -> list[Completion]:
+        """The finished completions of ``ids`` still waiting for a poll, removed from it."""
+        taken = [c for c in self._done if c.request_id in ids]
+        self._done = [c for c in self._done if c.request_id not in ids]
+        self._rang = self._rang and bool(self._done)
+        return taken
+
     def _ring(self) -> None:
         if self._done and self._token and not self._rang:
             self._bell.send(self._token)
@@ -223,15 +230,12 @@ class EngineServer:
                 engine.submit(requests)
                 return "ok", None
             if method == "abort":  # an aborted request is never returned, even one already finished here
-                ids = set(args[0])
-                self._done = [c for c in self._done if c.request_id not in ids]
-                self._rang = self._rang and bool(self._done)
-                return "ok", engine.abort(list(ids))
+                self._take(set(args[0]))
+                engine.abort(args[0])
+                return "ok", None
             if method == "evict":  # finished but not yet collected ones are handed back too
                 ids = set(args[0])
-                handed = [c for c in self._done if c.request_id in ids]
-                self._done = [c for c in self._done if c.request_id not in ids]
-                self._rang = self._rang and bool(self._done)
+                handed = self._take(ids)
                 return "ok", handed + engine.evict(ids - {c.request_id for c in handed})
             return "ok", getattr(engine, method)(*args)
         except RequestError as exc:

@@ -58,7 +58,7 @@ def completion_rows(step: int, result: RoundResult, decode: Callable[[list[int]]
         s, done = r.sample, r.sample.finish_reason is not None
         rows.append([step, s.prompt.uid, s.prompt.epoch, s.response_index, s.prompt.data_source,
                      result.kind.value, result.tp, r.placements[-1][0], r.outcome.value, r.migrated, s.reward,
-                     s.num_response_tokens if done else None, s.finish_reason, decode(list(s.prompt.input_ids)),
+                     s.num_response_tokens if done else None, s.finish_reason, decode(s.prompt.input_ids),
                      decode(list(s.response_ids)) if done else ""])
     return rows
 
