@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,9 +57,10 @@ def host_node_config(nodes: int = 1) -> str:
 
 
 class LocalSlurm:
-    """Slurm and munge daemons of this test only: their own key, socket, ports, pid and state files
-    under ``workdir``, stopped by the pids they wrote. Nothing system-wide is read, written or killed,
-    so a real cluster's daemons on the same machine are left alone.
+    """Slurm and munge daemons of this test only: their own key, ports, pid and state files under
+    ``workdir``, their sockets (and the spool, which holds slurmstepd's) in a short directory of their
+    own in /tmp, removed on stop; stopped by the pids they wrote. Nothing system-wide is read, written
+    or killed, so a real cluster's daemons on the same machine are left alone.
 
     The nodes, ``node0``, ``node1``, ..., are each served by a slurmd of its own (``-N``) on its own
     port, all at ``NodeAddr=127.0.0.1`` on this host. A job that needs a node's address asks Slurm for
@@ -69,7 +71,7 @@ class LocalSlurm:
         self.host = socket.gethostname().split(".")[0]
         self.nodes = [f"node{i}" for i in range(nodes)]
         self.conf = self.dir / "slurm.conf"
-        self.munge_socket = self.dir / "munge" / "munge.socket"
+        self.sockets: Path | None = None  # made by start()
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def __enter__(self) -> "LocalSlurm":
@@ -89,19 +91,23 @@ class LocalSlurm:
             raise
 
     def _start(self, timeout: float) -> None:
-        for sub in ("state", "spool", "log", "munge"):
+        # A Unix socket's path holds at most 107 bytes, and slurmstepd names a job step's socket
+        # SPOOL/NODE/NODE_JOBID.STEPID: under a deep tmp_path (pytest-xdist's popen-gwN/ was enough)
+        # every job failed to launch and was requeued, never run. So the sockets live in /tmp.
+        self.sockets = Path(tempfile.mkdtemp(prefix="rp-slurm-", dir="/tmp"))  # 0700, as munged requires
+        for sub in ("state", "log", "munge"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         munge = self.dir / "munge"
-        munge.chmod(0o700)  # munged refuses a socket directory others can write to
+        munge.chmod(0o700)  # munged refuses a key directory others can write to
         subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}"], check=True)
         (munge / "munge.key").chmod(0o400)
-        subprocess.run(["/usr/sbin/munged", "--force", f"--socket={self.munge_socket}",
+        subprocess.run(["/usr/sbin/munged", "--force", f"--socket={self.sockets / 'munge.socket'}",
                         f"--key-file={munge / 'munge.key'}", f"--pid-file={munge / 'munged.pid'}",
                         f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"], check=True)
         self.conf.write_text(self._conf())
         subprocess.run(["/usr/sbin/slurmctld", "-f", str(self.conf)], env=self.env, check=True)
         for name in self.nodes:
-            (self.dir / "spool" / name).mkdir(exist_ok=True)
+            (self.sockets / "spool" / name).mkdir(parents=True, exist_ok=True)
             started = subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf), "-N", name], env=self.env,
                                      capture_output=True, text=True)
             if started.returncode:
@@ -149,6 +155,8 @@ class LocalSlurm:
         for proc in alive:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
     def _conf(self) -> str:
         d, ports = self.dir, free_ports(1 + len(self.nodes))
@@ -160,7 +168,7 @@ SlurmctldHost={self.host}
 SlurmctldPort={ports[0]}
 SlurmUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.sockets / "munge.socket"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -168,7 +176,7 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 ReturnToService=2
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
+SlurmdSpoolDir={self.sockets}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
