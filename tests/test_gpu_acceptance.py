@@ -7,8 +7,8 @@ the real ``sglang.Engine`` runs on CPU behind our backend, against transformers 
 
 One check is left out here (``--skip``, reported as skipped): ``program/sglang_baseline_vs_tail_batching``,
 the program on SGLang in both modes, which the suite already runs with the same bound on every step's
-``train/logprob_mismatch_max``: tail batching in tests/test_sglang_real.py (both program tests), the
-baseline in tests/test_multinode.py (the SGLang test). The same harness (``check_program``) still runs
+``train/logprob_mismatch_max``: tail batching in tests/test_sglang_real.py and tests/test_multinode.py
+(the SGLang tests), the baseline in tests/test_stale_sync.py (its SGLang run's genuine first step). The same harness (``check_program``) still runs
 here on the reference engine; the GPU run (``--device cuda``) runs every check.
 
 Two checks run at a time (``--jobs 2``), each in its own process as on the GPU: most of them keep one

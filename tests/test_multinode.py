@@ -8,12 +8,13 @@
   both nodes' workers and they resume; then a whole node SIGKILLed, after which the survivors fail
   at once naming a lost rank; the same command relaunched finishes, every prompt trained once.
 - SGLang, 2 nodes x 1 rank: a TP-1 engine in its engine host on each node, rank 0 driving node
-  1's at node 1's address; the shipped config capped at preflight to what a node holds. In the
-  baseline mode: the suite's run of that mode on SGLang (tail batching on SGLang is in
-  tests/test_sglang_real.py), the weight sync checked every step.
+  1's at node 1's address; the shipped config capped at preflight to what a node holds; the long
+  round's node-1 engine handed to the stream trainer across nodes; validation on both nodes'
+  engines; the weight sync checked every step.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -210,7 +211,7 @@ def test_two_nodes_regroup_stream_survive_a_worker_then_a_node_and_resume_exactl
 
 # --- SGLang, 2 nodes x 1 rank --------------------------------------------------------------------
 
-SGLANG_STEPS = 2
+SGLANG_STEPS = 3
 
 
 def _engine_hosts(rank_pid: int) -> int:
@@ -222,6 +223,14 @@ def _engine_hosts(rank_pid: int) -> int:
 
 
 def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sglang_venv_python, tmp_path):
+    """Each short round launches 6 prompts and defers 2 (``eta_p=1.5``), so step 3 is the long round;
+    the planner, capped to TP 1, keeps both nodes' TP-1 engines in it, and node 1's leaves mid-round
+    for the stream trainer (review L6: the hand-off needs the engines' KV capacity and load): its
+    running requests go on on node 0's engine from their tokens so far (sglang continues them by
+    prefill; the continuation is a fresh sample, see sglang_backend), and rank 1 trains the groups
+    handed to it. Validation runs on the same engines after step 2 (inside step 3's round, after its
+    sync) and after the last step, sharded over both nodes' engines: greedy and 4 samples at
+    temperature 1 on 2 eval prompts."""
     from tests.sglang_cpu.env import engine_env
 
     python = str(sglang_venv_python)  # the suite's SGLang CPU venv (tests/conftest.py)
@@ -229,7 +238,8 @@ def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sg
     engine_ports = [free_base_port(1) for _ in range(2)]
     args = ["-m", "rollpacker.train", "--config", str(TINY), f"run.output_dir={run_dir.parent}",
             f"run.name={run_dir.name}", *FAST, "rollout.backend=sglang", f"run.steps={SGLANG_STEPS}",
-            "run.save_every=0", "run.wandb=disabled", "scheduler.mode=baseline"]
+            "scheduler.eta_p=1.5", "run.save_every=0", "run.wandb=disabled", "run.eval.every=2",
+            "run.eval.max_prompts=2"]
     started = time.monotonic()
     with Cluster(2, 1, args, logs=tmp_path / "logs", python=python, env=engine_env(),
                  node_args=lambda i: [f"rollout.sglang_base_port={engine_ports[i]}"]) as cluster:
@@ -247,10 +257,23 @@ def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sg
     assert "server_args={" in outputs[0] and "'device': 'cpu'" in outputs[0] and "'tp_size': 1" in outputs[0]
     capped = "rollpacker: scheduler.planner capped to TP 1 (max_tp 2->1, long_tp 2->1, profile rows of TP [2] dropped)"
     assert outputs[0].count(capped) == 1 and capped not in outputs[1]  # rank 0's one line
-    rows = _rows(run_dir)
-    print([(r["step"], r["round"], r["rollout_tp"], r["generated_tokens"], r["train/logprob_mismatch_max"]) for r in rows])
-    assert [(r["step"], r["rollout_tp"], r["round"]) for r in rows] == [(s, 1, "baseline")
-                                                                       for s in range(1, SGLANG_STEPS + 1)]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows, evals = [r for r in lines if "round" in r], [r for r in lines if "eval/seconds" in r]
+    print([(r["step"], r["round"], r["rollout_tp"], r["generated_tokens"], r["handoff_fraction"],
+            r["migrated_requests"], r["streamed_groups"], r["train/logprob_mismatch_max"]) for r in rows])
+    print("eval lines:", [{k: v for k, v in e.items() if "/file/" not in k and "/source/" not in k} for e in evals])
+    assert [(r["step"], r["rollout_tp"], r["round"]) for r in rows] == [(1, 1, "short"), (2, 1, "short"),
+                                                                       (3, 1, "long")]
     for r in rows:  # the weight sync reached both engines: the trainer's log-probs agree with theirs
         assert r["generated_tokens"] > 0 and r["sync/bytes"] > 0 and r["responses_kept"] == 16
         assert r["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, r
+    long = rows[-1]  # node 1's engine left mid-round; its requests went on on node 0's
+    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["migrated_requests"] > 0 and long["streamed_groups"] > 0
+    assert long["groups"] == 4
+    assert [e["step"] for e in evals] == [2, SGLANG_STEPS]
+    for e in evals:
+        assert e["eval/engines"] == 2 and e["eval/greedy/samples"] == 2 and e["eval/t1/samples"] == 8
+        assert 0 <= e["eval/greedy/pass@1"] <= 1 and 0 <= e["eval/t1/pass@1"] <= e["eval/t1/pass@4"] <= 1
+        assert 0 < e["eval/t1/response_len_mean"] <= e["eval/t1/response_len_max"] <= 384
+        assert e["eval/greedy/file/eval/pass@1"] == e["eval/greedy/source/stepchain/pass@1"] == e["eval/greedy/pass@1"]
+    assert long["time/eval_s"] > 0  # the eval of step 2 ran inside step 3, on its timeline
