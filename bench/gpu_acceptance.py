@@ -41,7 +41,9 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
+import queue
 import subprocess
 import sys
 import time
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("name")
     one.add_argument("work", type=Path)
     one.add_argument("result", type=Path)
+    one.add_argument("--cpus", help="run on these CPUs only (a job's share of the machine under --jobs)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_acceptance")
     p.add_argument("--only", nargs="*", help="run only the checks whose names start with these")
@@ -284,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1 or (args.device == "cuda" and args.jobs != 1):
         p.error(f"--jobs {args.jobs}: must be 1 on cuda (each check assumes the device to itself), >= 1 on cpu")
     if args.command == "check":
+        if args.cpus:
+            _confine(sorted(int(c) for c in args.cpus.split(",")))
         run_one(torch.device(args.device), args.work, args.name, args.result)
         return 0
     return run(torch.device(args.device), args.out, only=args.only, skip=args.skip, jobs=args.jobs)
@@ -297,8 +302,8 @@ def run(device: torch.device, out: Path, only: list[str] | None = None, skip: li
         jobs: int = 1) -> int:
     """Each check in a process of its own: a failed or leaky check cannot starve the next one of
     device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``). With
-    ``jobs`` > 1 (CPU), that many at once: most checks keep one core busy, so on CPU they can share
-    the machine; results are still recorded in the checks' order."""
+    ``jobs`` > 1 (CPU), that many at once, each on its own share of the CPUs (``_cpu_shares``);
+    results are still recorded in the checks' order."""
     from rollpacker.testing import make_random_qwen2
 
     sizes = GPU if device.type == "cuda" else CPU
@@ -315,8 +320,11 @@ def run(device: torch.device, out: Path, only: list[str] | None = None, skip: li
             report.skip(name)
             continue
         chosen.append(name)
+    shares: queue.Queue[list[int] | None] = queue.Queue()
+    for share in _cpu_shares(jobs):
+        shares.put(share)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        running = {name: pool.submit(measured, functools.partial(_in_subprocess, device, work, name))
+        running = {name: pool.submit(measured, functools.partial(_in_subprocess, device, work, name, shares))
                    for name in chosen}
         for name in chosen:
             report.record(name, running[name].result())
@@ -324,11 +332,34 @@ def run(device: torch.device, out: Path, only: list[str] | None = None, skip: li
     return 0 if report.passed else 1
 
 
-def _in_subprocess(device: torch.device, work: Path, name: str) -> dict[str, Any]:
+def _cpu_shares(jobs: int) -> list[list[int] | None]:
+    """One share of this process's CPUs per job (None: the whole machine, for a single job). Jobs
+    that share CPUs run far slower than their halves would: sglang's CPU engine binds its threads to
+    every CPU of the node, and another job's threads then preempt them mid-step (the SGLang engine
+    check took 159 s beside the others against 35 s alone)."""
+    if jobs == 1:
+        return [None]
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[i * len(cpus) // jobs:(i + 1) * len(cpus) // jobs] or [cpus[i % len(cpus)]] for i in range(jobs)]
+
+
+def _confine(cpus: list[int]) -> None:
+    """This check, and every process it starts, on ``cpus`` only (sglang's engines included:
+    ``sglang_args.cpu_engine_env`` binds them to the process's CPUs)."""
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def _in_subprocess(device: torch.device, work: Path, name: str, shares: queue.Queue) -> dict[str, Any]:
     result_file = work / (name.replace("/", "__") + ".json")
     result_file.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_acceptance", "--device", device.type, "check", name,
-                           str(work), str(result_file)], cwd=REPO, capture_output=True, text=True)
+    share = shares.get()
+    cpus = ["--cpus", ",".join(map(str, share))] if share else []
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu_acceptance", "--device", device.type, "check", name,
+                               str(work), str(result_file), *cpus], cwd=REPO, capture_output=True, text=True)
+    finally:
+        shares.put(share)
     if proc.returncode != 0 or not result_file.exists():
         errors = [line for line in proc.stderr.splitlines() if "warn" not in line.lower()]
         last = next((line for line in reversed(errors) if line.strip()), f"exit {proc.returncode}")

@@ -206,13 +206,21 @@ def test_server_args_on_cpu_are_sglangs_plain_torch_path():
 
 
 def test_cpu_engine_env_splits_the_cpus_among_tp_ranks(monkeypatch):
-    """sglang 0.5.23 on CPU gives each TP rank a NUMA node unless SGLANG_CPU_OMP_THREADS_BIND is set."""
+    """sglang 0.5.23 on CPU gives each TP rank a NUMA node unless SGLANG_CPU_OMP_THREADS_BIND is set;
+    set, each TP rank binds to the CPUs of its own node-local rank, so that the TP-1 engines of a
+    node's ranks running at once do not spin on the same CPUs."""
     from rollpacker.rollout.sglang_args import THREADS_BIND_ENV, cpu_engine_env
     monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
-    assert cpu_engine_env(1) == {}
+    assert cpu_engine_env(1, cpus=[0, 1]) == {THREADS_BIND_ENV: "0-1"}  # a lone engine: the process's CPUs
     assert cpu_engine_env(2, cpus=[0, 1, 2, 3]) == {THREADS_BIND_ENV: "0-1|2-3"}
     assert cpu_engine_env(2, cpus=[0, 4, 5]) == {THREADS_BIND_ENV: "0|4-5"}
     assert cpu_engine_env(2, cpus=[3]) == {THREADS_BIND_ENV: "3|3"}
+    # two ranks on a 2-CPU node: a TP-1 engine each, then one TP-2 engine over both
+    assert [cpu_engine_env(1, r, 2, cpus=[0, 1]) for r in (0, 1)] == [{THREADS_BIND_ENV: "0"}, {THREADS_BIND_ENV: "1"}]
+    assert cpu_engine_env(2, 0, 2, cpus=[0, 1]) == {THREADS_BIND_ENV: "0|1"}
+    # 8 ranks on 16 CPUs: rank 3's TP-1 engine, and the TP-4 engine of ranks 4-7
+    assert cpu_engine_env(1, 3, 8, cpus=list(range(16))) == {THREADS_BIND_ENV: "6-7"}
+    assert cpu_engine_env(4, 4, 8, cpus=list(range(16))) == {THREADS_BIND_ENV: "8-9|10-11|12-13|14-15"}
     monkeypatch.setenv(THREADS_BIND_ENV, "0-7|8-15")
     assert cpu_engine_env(2, cpus=[0, 1]) == {}
 

@@ -83,26 +83,34 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
-def cpu_engine_env(tp_size: int, cpus: list[int] | None = None) -> dict[str, str]:
-    """Environment a CPU engine of ``tp_size`` ranks needs while sglang spawns its schedulers.
+def cpu_engine_env(tp_size: int, local_rank: int = 0, local_ranks: int = 1,
+                   cpus: list[int] | None = None) -> dict[str, str]:
+    """Environment a CPU engine of ``tp_size`` ranks, led by node-local rank ``local_rank`` of
+    ``local_ranks``, needs while sglang spawns its schedulers.
 
     Unless ``SGLANG_CPU_OMP_THREADS_BIND`` is set, sglang gives each TP rank one NUMA node and asserts
     that there are as many nodes as ranks (``utils/numa_utils.py``, ``init_threads_binding``: 0.5.17
     line 441 ``tp_size <= n_numa_node``, 0.5.23 line 463 ``dp * tp * pp <= n_numa_node``), so a TP-2
-    engine cannot start on a one-node host. For ``tp_size > 1`` this splits the CPUs the process may
-    run on (``cpus``, default its affinity) into ``tp_size`` '|'-separated groups, one per rank (a
-    rank shares a CPU when there are fewer CPUs than ranks), which both releases accept (0.5.17 line
-    458 wants exactly ``tp_size`` groups, 0.5.23 line 492 one per rank index). A value the caller
-    set is left alone. With the variable set sglang does not size the KV pool from host memory
+    engine cannot start on a one-node host, and every engine of a node binds its threads to the same
+    CPUs: L engines running at once (each rank's TP-1 engine in a short round) spin L threads per CPU.
+    So, as each rank's GPU engine takes its own GPU, the CPUs the process may run on (``cpus``,
+    default its affinity) are split into one slice per node-local rank, and each TP rank of the
+    engine (node-local ranks ``local_rank .. local_rank + tp_size - 1``) binds to its own rank's
+    slice: '|'-separated groups, one per TP rank, which both releases accept (0.5.17 line 458 wants
+    exactly ``tp_size`` groups, 0.5.23 line 492 one per rank index); a rank shares a CPU when there
+    are fewer CPUs than ranks. A lone engine gets all of the process's CPUs (sglang's default, a
+    NUMA node, ignores the affinity that taskset or a scheduler's CPU binding gave the process). A
+    value the caller set is left alone. With the variable set sglang does not size the KV pool from host memory
     (``utils/common.py``, ``get_cpu_memory_capacity``: 0.5.17 line 725, 0.5.23 line 913), which is
     why CPU engines always get ``max_total_tokens``.
     """
-    if tp_size == 1 or os.environ.get(THREADS_BIND_ENV):
+    local_ranks = max(local_ranks, local_rank + tp_size)
+    if os.environ.get(THREADS_BIND_ENV):
         return {}
     cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    groups = [cpus[i * len(cpus) // tp_size:(i + 1) * len(cpus) // tp_size] or [cpus[i % len(cpus)]]
-              for i in range(tp_size)]
-    return {THREADS_BIND_ENV: "|".join(_cpu_list(g) for g in groups)}
+    slices = [cpus[i * len(cpus) // local_ranks:(i + 1) * len(cpus) // local_ranks] or [cpus[i % len(cpus)]]
+              for i in range(local_ranks)]
+    return {THREADS_BIND_ENV: "|".join(_cpu_list(g) for g in slices[local_rank:local_rank + tp_size])}
 
 
 def _cpu_list(cpus: list[int]) -> str:

@@ -263,7 +263,9 @@ class SGLangEngine(RolloutEngine):
         if engine_cls is not None:
             self._host = _LocalHost(engine_cls, kwargs, cfg, engine_id, vocab_size, double_version)
         else:
-            env = {**host_env(cpu_engine_env(len(ranks)) if dev.type == "cpu" else {}),
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            on_cpu = cpu_engine_env(len(ranks), local_rank, local_ranks) if dev.type == "cpu" else {}
+            env = {**host_env(on_cpu),
                    LOG_LEVEL_ENV: str(logging.getLogger().getEffectiveLevel())}
             self._host = _ProcessHost(kwargs, cfg, engine_id, vocab_size, env)
 
