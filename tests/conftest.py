@@ -3,6 +3,12 @@
 - Under ``CI=true`` a skipped test fails the run, unless it is listed below with why. A skip in CI
   means a check the README relies on did not run; pytest reports it as a pass-with-note (``-ra``
   prints it), which a green CI run hides. Only skips whose cause CI cannot remove are allowed.
+- Under ``-n 2`` (the README's command) files go whole to the next free worker in collection order
+  (``--dist loadfile --no-loadscope-reorder``, pytest.ini), so the longest files are collected first:
+  a run then does not end on one of them while the other worker idles. Each worker, and what it
+  starts, computes on one thread (``OMP_NUM_THREADS=1``): a thread team spread over both cores waits
+  on whichever of its threads the other worker's processes preempt (a 2-thread sampling test ran 6x
+  slower beside another file). SGLang's engines bind their own threads (``sglang_args.cpu_engine_env``).
 - The tests that run the real SGLang engine take the ``sglang_venv_python`` fixture. When any of
   them is collected, the venv's build (or the check that it is current) starts in the background at
   once (``tests/sglang_cpu/env.py``) and overlaps the tests before them.
@@ -24,6 +30,18 @@ ALLOWED_CI_SKIPS = {
     "tests/test_trl_bench.py": "TRL is not a dependency: its comparison runs only where a user installed trl",
 }
 
+# the files of over a minute, longest first (``--durations`` of a sequential clean-clone run: 453, 180,
+# 262, 205, 121, 100, 90, 76, 58, 45 s); the second is not an SGLang one, so that one worker has work
+# while the first waits for the venv's build
+LONGEST_FIRST = ("test_sglang_real.py", "test_train_program.py", "test_multinode.py", "test_gpu_acceptance.py",
+                 "test_resume_shipped.py", "test_stale_sync.py", "test_eval.py", "test_slurm_launch.py",
+                 "test_checkpoint_faults.py", "test_policy_quality.py")
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
+
 _skipped: list[tuple[str, str]] = []
 _venv_build: list[subprocess.Popen] = []
 
@@ -31,6 +49,13 @@ _venv_build: list[subprocess.Popen] = []
 @pytest.fixture(scope="session")
 def sglang_venv_python() -> Path:
     return sglang_python()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: the SGLang files' venv build overlaps the rest
+        return
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

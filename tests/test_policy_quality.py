@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rollpacker.examples.policy_report import evaluate_policy, report_from_lengths
 from rollpacker.stats import spearman
@@ -51,7 +52,7 @@ def test_shipped_files_are_complete_and_small():
 
 @pytest.mark.timeout(600)  # ~50 s on 2 idle cores, ~2 min when the cores are shared
 def test_shipped_policy_has_grpo_signal_a_long_tail_and_prompt_bound_lengths():
-    report, _ = evaluate_policy(str(POLICY), str(EVAL), n=4, seed=0, threads=2)
+    report, _ = evaluate_policy(str(POLICY), str(EVAL), n=4, seed=0, threads=torch.get_num_threads())
     print(report.summary())
     assert 0.2 <= report.pass_at_1 <= 0.8
     assert report.max_over_median >= 10
