@@ -60,6 +60,7 @@ from bench import gpu_rollout_checks as rollout
 from bench import gpu_sglang_checks as sglang
 from bench import gpu_trainer_checks as trainer
 from bench.gpu_trainer_checks import Subject, write_json
+from rollpacker.rollout.sglang_args import cpu_shares
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -337,10 +338,7 @@ def _cpu_shares(jobs: int) -> list[list[int] | None]:
     that share CPUs run far slower than their halves would: sglang's CPU engine binds its threads to
     every CPU of the node, and another job's threads then preempt them mid-step (the SGLang engine
     check took 159 s beside the others against 35 s alone)."""
-    if jobs == 1:
-        return [None]
-    cpus = sorted(os.sched_getaffinity(0))
-    return [cpus[i * len(cpus) // jobs:(i + 1) * len(cpus) // jobs] or [cpus[i % len(cpus)]] for i in range(jobs)]
+    return [None] if jobs == 1 else cpu_shares(jobs)
 
 
 def _confine(cpus: list[int]) -> None:

@@ -100,17 +100,21 @@ def cpu_engine_env(tp_size: int, local_rank: int = 0, local_ranks: int = 1,
     exactly ``tp_size`` groups, 0.5.23 line 492 one per rank index); a rank shares a CPU when there
     are fewer CPUs than ranks. A lone engine gets all of the process's CPUs (sglang's default, a
     NUMA node, ignores the affinity that taskset or a scheduler's CPU binding gave the process). A
-    value the caller set is left alone. With the variable set sglang does not size the KV pool from host memory
-    (``utils/common.py``, ``get_cpu_memory_capacity``: 0.5.17 line 725, 0.5.23 line 913), which is
-    why CPU engines always get ``max_total_tokens``.
+    value the caller set is left alone. With the variable set sglang does not size the KV pool from
+    host memory (``utils/common.py``, ``get_cpu_memory_capacity``: 0.5.17 line 725, 0.5.23 line 913),
+    which is why CPU engines always get ``max_total_tokens``.
     """
-    local_ranks = max(local_ranks, local_rank + tp_size)
     if os.environ.get(THREADS_BIND_ENV):
         return {}
-    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    slices = [cpus[i * len(cpus) // local_ranks:(i + 1) * len(cpus) // local_ranks] or [cpus[i % len(cpus)]]
-              for i in range(local_ranks)]
+    slices = cpu_shares(max(local_ranks, local_rank + tp_size), cpus)
     return {THREADS_BIND_ENV: "|".join(_cpu_list(g) for g in slices[local_rank:local_rank + tp_size])}
+
+
+def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
+    """``cpus`` (default: those this process may run on) split into ``n`` contiguous shares; with
+    fewer CPUs than shares, a share reuses one CPU."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    return [cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n] or [cpus[i % len(cpus)]] for i in range(n)]
 
 
 def _cpu_list(cpus: list[int]) -> str:
