@@ -24,9 +24,11 @@ from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
-from rollpacker.scheduler.handoff import HandoffPolicy
+from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
+from rollpacker.scheduler.race import RoundRunner
+from rollpacker.scheduler.round import RoundPlan
 from rollpacker.sim import H800, LengthOracle, ModelSpec, PerfModel, SimEngine, SimRewardSink, longtail_trace
-from rollpacker.sim.traces import PromptLengths
+from rollpacker.sim.traces import PromptLengths, parse_request_id
 
 TINY = ModelSpec("tiny", 5e8, 8, 1024, 2)
 
@@ -391,3 +393,25 @@ def test_handoff_only_when_the_kv_projection_fits(kv_capacity, hands_off):
         plan, result = h.round(handoff=policy)
     assert plan.kind is RoundKind.LONG
     assert (released == [[1]]) is hands_off and (result.stats.migrated_requests > 0) is hands_off
+
+
+def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns_many():
+    """A busy coordinator gets many completions from one poll. Here the 20 short responses of a long
+    round (62% of it) come back together: checked once per poll, the 20-50% window would be stepped
+    over and the round would never hand off (a loaded CI machine did exactly that)."""
+    clock = VirtualClock()
+    prompts = tuple(Prompt(uid=i, input_ids=[1] * 16, data_source="t") for i in range(8))
+    plan = RoundPlan(index=0, kind=RoundKind.LONG, tp=1, prompts=prompts, n_responses=4, target_groups=8)
+    lengths = lambda r: 64 if parse_request_id(r.request_id)[0] < 5 else 2000  # noqa: E731
+    engines = [SimEngine(PerfModel(TINY, H800, 1), clock, lengths, engine_id=i) for i in range(2)]
+    driver, batches, released = EngineDriver(engines, clock), [], []
+    poll = driver.poll
+    driver.poll = lambda: batches.append(len(done := poll())) or done
+    trigger = HandoffTrigger(HandoffPolicy(candidates=(1,), on_release=released.append), 32, 2)
+    result = RoundRunner(plan, r0=4, driver=driver, reward=SimRewardSink(clock), clock=clock,
+                         sampling=SamplingParams(max_new_tokens=4096), async_reward=True, keeps=lambda g: True,
+                         replacement=lambda: None, on_group_done=None, handoff=trigger).run()
+    print(f"completions per poll: {[n for n in batches if n]}; handed off at {result.stats.handoff_fraction:.2f}")
+    assert max(batches) == 20  # every short response in one poll: 0 -> 62% of the round done
+    assert released == [[1]] and 0.2 <= result.stats.handoff_fraction <= 0.5
+    assert result.stats.migrated_requests == 6 and len(result.samples) == 32

@@ -95,7 +95,8 @@ class RoundRunner:
             if self.driver.outstanding:
                 for completion in self.driver.poll():
                     self._on_completion(completion)
-                self._maybe_hand_off()
+                    # at each one: a poll that returns many must not step over the hand-off window
+                    self._maybe_hand_off()
             elif self.scoring_groups:
                 self.driver.wait_for_time()
             else:
