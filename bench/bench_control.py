@@ -21,7 +21,7 @@ of ``bench/bench_sim.py`` at an 8k limit.
 
 Measured per round: rank 0's CPU seconds (``time.process_time`` of this process: scheduler,
 channel, reward dispatcher thread and ZeroMQ's I/O thread; the endpoint hosts and reward workers
-are other processes), the messages it exchanged, the latency from the round's launch to each
+are other processes) and their split by thread, the messages it exchanged, the latency from the round's launch to each
 request reaching its engine, and the round's modeled time (the same rounds on a virtual clock,
 rank 0 costing nothing). Rank 0's cost has a part per event and a part per wall second it waits
 (an idle driver still wakes up); a compressed replay shortens the waiting, so that part is measured
@@ -41,11 +41,13 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import psutil
 import zmq
 
 from bench.results import REPO, write_results
@@ -269,6 +271,16 @@ def modeled_rounds(engines: int, rounds: int, seed: int) -> list[float]:
     return out
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each of this process's threads so far, by the name Python gave it; threads
+    Python did not start (ZeroMQ's I/O thread) are summed as "other"."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = collections.defaultdict(float)
+    for t in psutil.Process().threads():
+        out[names.get(t.id, "other")] += t.user_time + t.system_time
+    return out
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     return {f"p{q}": ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] for q in (50, 90, 99)} | {
@@ -293,6 +305,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
             for index in range(args.rounds):
                 plan = scheduler.plan_round()
                 cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.monotonic()
+                threads = thread_cpu()
                 launches.append(wall)
                 if profiler:
                     profiler.enable()
@@ -301,10 +314,11 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 if profiler:
                     profiler.disable()
                 cpu, main_cpu, wall = time.process_time() - cpu, time.thread_time() - main_cpu, time.monotonic() - wall
+                threads = {name: t - threads.get(name, 0.0) for name, t in thread_cpu().items()}
                 s = result.stats
                 rounds.append({"index": index, "kind": result.kind.value, "requests": s.launched_responses,
                                "kept_groups": s.kept_prompts, "samples": len(result.samples), "cpu_s": cpu,
-                               "main_thread_cpu_s": main_cpu,
+                               "main_thread_cpu_s": main_cpu, "thread_cpu_s": threads,
                                "wall_s": wall, "replayed_s": s.rollout_seconds, "modeled_s": modeled[index],
                                "generated_tokens": s.generated_tokens})
                 print(f"[{engines} engines] round {index}: {s.launched_responses} requests, rank 0 CPU {cpu:.2f} s "
@@ -352,6 +366,8 @@ def summarize(rounds: list[dict], launches: list[float], sent: collections.Count
         "messages": dict(sent), "idle_cpu_per_s": idle,
         "cpu_s_per_round": total["cpu_s"] / len(rounds),
         "main_thread_cpu_s_per_round": sum(r["main_thread_cpu_s"] for r in rounds) / len(rounds),
+        "thread_cpu_s_per_round": {name: sum(r["thread_cpu_s"].get(name, 0.0) for r in rounds) / len(rounds)
+                                   for name in sorted({n for r in rounds for n in r["thread_cpu_s"]})},
         "projected_cpu_s_per_round": total["projected_cpu_s"] / len(rounds),
         "cpu_us_per_request": 1e6 * total["projected_cpu_s"] / requests,
         "modeled_s_per_round": total["modeled_s"] / len(rounds), "wall_s_per_round": total["wall_s"] / len(rounds),

@@ -345,14 +345,15 @@ def control(r: dict[str, Any]) -> str:
     def rows(run: dict[str, Any]) -> list[str]:
         return [f"| {x['engines']} | {x['requests_per_round']:,.0f} | {x['modeled_s_per_round']:.1f} s "
                 f"| {_mean(x['rounds'], 'replayed_s'):.0f} s | {x['projected_cpu_s_per_round']:.2f} s "
-                f"| {x['cpu_us_per_request']:.0f} µs | {x['overhead']:.1%} "
+                f"| {_threads(x)} | {x['cpu_us_per_request']:.0f} µs | {x['overhead']:.1%} "
                 f"| {x['launch_to_engine_ms']['p50']:,.0f} / {x['launch_to_engine_ms']['p99']:,.0f} ms "
                 f"| {x['messages_per_round']:,.0f} ({_messages(x['messages'], len(x['rounds']))}) | {x['messages_per_modeled_s']:,.0f} |"
                 for x in run["sizes"]]
 
     head = ["| engines | requests per round | modeled round | the round as replayed (model time) "
-            "| rank 0 CPU per round | per request | overhead (÷ modeled round) | launch → engine p50 / p99 "
-            "| messages per round | per modeled s |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| rank 0 CPU per round | of it: main / reward dispatcher / other threads | per request "
+            "| overhead (÷ modeled round) | launch → engine p50 / p99 "
+            "| messages per round | per modeled s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = [f"{s['model']}, {s['limit'] // 1024}k limit, P0 = 2 × engines, R0 = {s['r0']}, "
              f"{s['responses_per_prompt']} responses launched per prompt (32 requests per engine), {s['rounds']} "
              f"rounds per size replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
@@ -367,6 +368,16 @@ def control(r: dict[str, Any]) -> str:
                   "(at most one per request). Launch → engine: from the round's launch to the request reaching "
                   "its engine's server, in wall seconds of the replay."]
     return "\n".join(lines)
+
+
+def _threads(size: dict[str, Any]) -> str:
+    """Rank 0's CPU per round by thread (measured while the round ran, so without the idle projection);
+    runs from before the split was recorded show none."""
+    t = size.get("thread_cpu_s_per_round")
+    if not t:
+        return "—"
+    main, reward = t.get("MainThread", 0.0), t.get("reward-dispatcher", 0.0)
+    return f"{main:.2f} / {reward:.2f} / {sum(t.values()) - main - reward:.2f} s"
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:

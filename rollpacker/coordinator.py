@@ -47,7 +47,7 @@ TO_TRAINING = "to_training"  # ... or its ranks were handed to the stream traine
 
 # A dead process's connections close at once; a node that drops off the network is noticed by
 # ZeroMQ's heartbeats within the timeout.
-_HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 2_000, 30_000
+_HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 10_000, 20_000
 
 
 _CONTEXT: zmq.Context | None = None
@@ -246,13 +246,23 @@ class EngineServer:
 
 class Bell:
     """Rank 0's doorbell: the server of a ``RemoteEngine`` made with it rings (sends the proxy's
-    token) when completions wait for a poll, once until the next poll collects them."""
+    token) when completions wait for a poll, once until the next poll collects them. Another thread
+    of rank 0 (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps
+    until something happened, never on a timer."""
 
     def __init__(self):
         self.sock = _context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = _bind(self.sock, 128)
         self._enrolled = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._woken = False  # a byte waits in the pipe: later wakes need not write one
+        self.woken = False  # the last ``rung`` was woken
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     def enroll(self) -> int:
         self._enrolled += 1
@@ -265,11 +275,30 @@ class Bell:
         here = "127.0.0.1" if host == "127.0.0.1" else os.environ.get("ROLLPACKER_NODE_ADDR") or socket.gethostname()
         return f"tcp://{here}:{self.port}"
 
+    def wake(self) -> None:
+        """Make a waiting (or the next) ``rung`` return; safe from any thread."""
+        if self._woken:
+            return
+        self._woken = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
+
     def rung(self, timeout_s: float = 0.0) -> set[int]:
-        """The tokens of the proxies whose servers rang since the last call; when none has, waits up
-        to ``timeout_s`` for one."""
+        """The tokens of the proxies whose servers rang since the last call; when none has and
+        nothing woke it, waits up to ``timeout_s`` for either. ``woken`` then says whether a
+        ``wake`` came: its waker left something to look at before the next wait."""
         out: set[int] = set()
-        if self.sock.poll(int(timeout_s * 1000)):
+        events = dict(self._poller.poll(int(timeout_s * 1000)))
+        self.woken = self._wake_r in events
+        if self.woken:
+            self._woken = False  # before the caller looks at what the waker left it
+            try:
+                os.read(self._wake_r, 1 << 16)
+            except BlockingIOError:
+                pass
+        if self.sock in events:
             while True:
                 try:
                     out.add(int(self.sock.recv(zmq.NOBLOCK)))
@@ -279,6 +308,8 @@ class Bell:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 class RemoteEngine(RolloutEngine):

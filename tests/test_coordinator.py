@@ -82,8 +82,8 @@ class Refuses(Gate):
         raise RequestError("no room")
 
 
-class FinishesAtOnce:
-    """An engine whose every request finishes the first time its server steps it."""
+class Never:
+    """An engine whose requests never finish."""
 
     def __init__(self) -> None:
         self.pending: list[str] = []
@@ -93,6 +93,17 @@ class FinishesAtOnce:
 
     def active_request_ids(self) -> list[str]:
         return list(self.pending)
+
+    def poll(self, timeout=0.0):
+        return []
+
+    def stats(self):
+        from rollpacker.rollout.engine import EngineStats
+        return EngineStats()
+
+
+class FinishesAtOnce(Never):
+    """An engine whose every request finishes the first time its server steps it."""
 
     def poll(self, timeout=0.0):
         from rollpacker.rollout.engine import Completion
@@ -302,3 +313,52 @@ def test_a_finished_response_aborted_or_left_at_a_round_end_never_reaches_a_late
         server.wait()
     print(f"polled after the abort: {after_abort}; in the next round: {next_round}")
     assert after_abort == ["b"] and next_round == ["d"]
+
+
+def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypatch):
+    """With nothing finished, the driver waits on its bell for the whole span until its next full
+    sweep (made an hour here), not on a short timer: one look and one wait per poll. A wake from
+    another thread (the reward pool's, when a score comes) ends that wait at once, and a wake that
+    came before the poll looked makes the poll return without waiting at all."""
+    from rollpacker.scheduler import dispatch
+    from rollpacker.scheduler.clock import RealClock
+
+    monkeypatch.setattr(dispatch, "_FULL_SWEEP_AFTER_S", 3600.0)
+    with served("Never") as server:
+        bell = Bell()
+        proxy = RemoteEngine(Endpoint(1, f"tcp://127.0.0.1:{server.port}", ""), engine_id=1, timeout_s=60, bell=bell)
+        try:
+            driver = dispatch.EngineDriver([proxy], RealClock())
+            driver.submit([GenerationRequest("r", [1], SamplingParams())])
+            waits: list[float] = []
+            waiting = threading.Event()
+            look = bell.rung
+
+            def rung(timeout_s: float = 0.0) -> set[int]:
+                waits.append(timeout_s)
+                if timeout_s > 0:
+                    waiting.set()
+                return look(timeout_s)
+
+            bell.rung = rung
+            polled: list = []
+            poll = threading.Thread(target=lambda: polled.append(driver.poll()), daemon=True)
+            poll.start()
+            assert waiting.wait(60), "the driver never waited on its bell"
+            driver.wake()  # as the reward pool's thread does when a score comes
+            poll.join(60)
+            assert not poll.is_alive(), "a wake did not end the driver's wait"
+            first = list(waits)
+            driver.wake()  # before the poll looks: it must return at once, not wait
+            waits.clear()
+            early = threading.Thread(target=lambda: polled.append(driver.poll()), daemon=True)
+            early.start()
+            early.join(60)
+            assert not early.is_alive(), "a wake that came before the poll looked was lost"
+        finally:
+            proxy.shutdown()
+            bell.close()
+    print(f"bell waits of the woken poll: {first}; of the poll woken before it looked: {waits}")
+    assert polled == [[], []]
+    assert first[0] == 0 and len(first) == 2 and first[1] > 3000, first
+    assert waits == [0.0], waits

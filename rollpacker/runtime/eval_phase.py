@@ -118,8 +118,9 @@ class EvalPhase:
                     _, name, key, p, k = requests[c.request_id]
                     tokens += len(c.output_ids)
                     # adapt=False: the code timeouts learned from training prompts stay as training left them
-                    scoring[c.request_id] = (c, self.pool.submit(p.data_source, c.output_ids, p.ground_truth,
-                                                                 adapt=False))
+                    future = self.pool.submit(p.data_source, c.output_ids, p.ground_truth, adapt=False)
+                    future.add_done_callback(lambda _: driver.wake())  # a score ends the driver's wait
+                    scoring[c.request_id] = (c, future)
             else:  # only scores are left to come
                 wait([f for _, f in scoring.values()], return_when=FIRST_COMPLETED)
             for rid, (c, future) in list(scoring.items()):

@@ -6,7 +6,8 @@ returned nothing, lets one engine block briefly (round robin) so that a
 waiting scheduler does not spin. Remote engines that announce their
 completions on a shared bell (``Announcing``) are polled only when they rang,
 and a driver with no local engine waits on the bell: its cost then grows with
-the completions, not with the engines or the length of the round. On a ``VirtualClock`` nothing moves by
+the completions, not with the engines or the length of the round; what else it waits for (scores)
+``wake``s it, so it never wakes on a timer. On a ``VirtualClock`` nothing moves by
 itself: the driver asks every ``EventSource`` (simulated engines, a reward
 model with latency) for its next event, advances the clock to the earliest,
 then polls every engine, which simulates itself up to the new time.
@@ -158,7 +159,8 @@ class EngineDriver:
         return done
 
     def _poll_announced(self) -> list[Completion]:
-        """Local engines and the remote ones that rang; with nothing and no local engine, wait on the bell."""
+        """Local engines and the remote ones that rang; with nothing and no local engine, sleep until a
+        server rings, ``wake`` is called or the next full sweep is due."""
         local = [i for i in self._local if i not in self._retired]
         if time.monotonic() - self._last_news > _FULL_SWEEP_AFTER_S:
             polled = [i for i in range(len(self._engines)) if i not in self._retired]
@@ -171,20 +173,30 @@ class EngineDriver:
                 engine = self._engines[local[self._next_blocking % len(local)]]
                 self._next_blocking += 1
                 raw = engine.poll(self._idle_poll_s)
-            else:
-                raw = [c for i in self._rung(self._bell.rung(self._idle_poll_s)) for c in self._engines[i].poll(0.0)]
+            elif not self._bell.woken:  # woken: the caller has something to look at first
+                rung = self._bell.rung(max(0.0, self._last_news + _FULL_SWEEP_AFTER_S - time.monotonic()))
+                raw = [c for i in self._rung(rung) for c in self._engines[i].poll(0.0)]
         if raw or not self._owner:
             self._last_news = time.monotonic()
         return raw
+
+    def wake(self) -> None:
+        """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): something the caller
+        waits for besides the engines (a score) has come. Without a bell the waits are short anyway."""
+        if self._bell is not None:
+            self._bell.wake()
 
     def _rung(self, tokens: set[int]) -> list[int]:
         return [i for i in (self._by_token.get(t) for t in tokens) if i is not None and i not in self._retired]
 
     def wait_for_time(self) -> None:
-        """Wait for something other than the engines (reward scores): on a
-        virtual clock, move to the next simulated event; else sleep briefly."""
+        """Wait for something other than the engines (reward scores): on a virtual clock, move to
+        the next simulated event; with a bell and no local engine, until ``wake`` (the rings of
+        engines with nothing outstanding carry no news); else sleep briefly."""
         if self._virtual:
             self._advance_virtual_clock()
+        elif self._bell is not None and not self._local:
+            self._bell.rung(_FULL_SWEEP_AFTER_S)
         else:
             time.sleep(self._idle_poll_s)
 

@@ -22,7 +22,9 @@ after the round closes; ``on_group_done`` then fires after that stage.
 """
 from __future__ import annotations
 
+import array
 import collections
+import functools
 import zlib
 
 from dataclasses import dataclass, field
@@ -117,13 +119,15 @@ class RoundRunner:
         for prompt in prompts:
             group = _Group(prompt, len(self.groups))
             self.groups.append(group)
+            # packed once for all its responses: as a list, each response pickled the prompt token by token
+            input_ids = array.array("i", prompt.input_ids)
             for r in range(self.plan.n_responses):
                 sample = Sample(prompt=prompt, response_index=r, submitted_at=now)
                 rid = sample.request_id
                 self.by_request[rid] = (group, sample)
                 group.open.add(rid)
                 params = self.sampling.with_seed(request_seed(self.sampling.seed, self.plan.index, rid))
-                self.requests[rid] = GenerationRequest(rid, prompt.input_ids, params)
+                self.requests[rid] = GenerationRequest(rid, input_ids, params)
                 requests.append(self.requests[rid])
         self.driver.submit(requests)
 
@@ -159,11 +163,16 @@ class RoundRunner:
             group.scoring[c.request_id] = (sample, future)
             self.scoring_groups.add(group.index)
             if callable(getattr(future, "add_done_callback", None)):  # told when scored, not asked every loop
-                future.add_done_callback(lambda _, gi=group.index: self.scored.append(gi))
+                future.add_done_callback(functools.partial(self._scored, group.index))
             else:
                 self.polled_groups.add(group.index)
         else:
             self._ready(group, sample)
+
+    def _scored(self, group_index: int, _future: ScoreFuture) -> None:
+        """A score came (on the reward pool's thread): its group is looked at, the driver woken."""
+        self.scored.append(group_index)
+        self.driver.wake()
 
     def _collect_scores(self) -> None:
         told = set()
@@ -215,6 +224,9 @@ class RoundRunner:
 
     def _score_after_rollout(self) -> None:
         pending = [(s, self.reward.submit(s)) for group in self.kept for s in group]
+        for _, future in pending:
+            if callable(getattr(future, "add_done_callback", None)):
+                future.add_done_callback(lambda _: self.driver.wake())
         for sample, future in pending:
             while not future.done():
                 self.driver.wait_for_time()

@@ -99,7 +99,7 @@ class Scheduler:
             on_group_done=on_group_done,
             handoff=(HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, len(engines))
                      if handoff is not None and plan.kind is RoundKind.LONG else None))
-        with _collector_skips_older_objects():
+        with _no_collection_during_the_round():
             result = runner.run()
         self._pending = None
         self.queue.push(result.deferred)
@@ -132,19 +132,20 @@ class Scheduler:
 
 
 @contextlib.contextmanager
-def _collector_skips_older_objects() -> Iterator[None]:
-    """During a round, the cyclic garbage collector's full passes walk only what the round made.
+def _no_collection_during_the_round() -> Iterator[None]:
+    """The cyclic garbage collector does not run during a round; it resumes when the round ends.
 
-    A round makes a few objects per request, enough to set off a full pass every few thousand
-    requests; each pass walked rank 0's whole heap (the trainer's modules, earlier rounds' records),
-    about a fifth of rank 0's CPU at 512 engines (``bench/bench_control.py``). Frozen objects are
-    only exempt from those passes: refcounting frees them as ever, and ``gc.unfreeze`` hands them
-    back to the collector when the round ends. A heap someone else froze is left as it is."""
-    if gc.get_freeze_count():
+    A round makes several container objects per request and keeps most of them until it ends
+    (samples, requests, placements, the reward pool's futures). Each of them set off and then sat
+    through the collector's passes, young and full: a third of rank 0's Python time at 512 engines
+    (``bench/bench_control.py``), for nothing, since the round drops its garbage by refcounting and
+    makes no cycles of its own. A cycle something else drops meanwhile waits for the first pass after
+    the round. A collector someone else switched off stays off."""
+    if not gc.isenabled():
         yield
         return
-    gc.freeze()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        gc.enable()
