@@ -28,6 +28,7 @@ import functools
 import os
 import resource
 import socket
+import threading
 import time
 from urllib.parse import urlparse
 from dataclasses import dataclass
@@ -260,6 +261,10 @@ class Bell:
         os.set_blocking(self._wake_w, False)
         self._woken = False  # a byte waits in the pipe: later wakes need not write one
         self.woken = False  # the last ``rung`` was woken
+        # a score of a past round may still call ``wake`` while the bell closes: it must not write
+        # to the pipe's descriptor once closed, or after the number went to another file
+        self._pipe_lock = threading.Lock()
+        self._closed = False
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -280,10 +285,13 @@ class Bell:
         if self._woken:
             return
         self._woken = True
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already
-            pass
+        with self._pipe_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
 
     def rung(self, timeout_s: float = 0.0) -> set[int]:
         """The tokens of the proxies whose servers rang since the last call; when none has and
@@ -308,8 +316,10 @@ class Bell:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._pipe_lock:
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
 
 class RemoteEngine(RolloutEngine):

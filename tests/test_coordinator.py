@@ -362,3 +362,22 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
     assert polled == [[], []]
     assert first[0] == 0 and len(first) == 2 and first[1] > 3000, first
     assert waits == [0.0], waits
+
+
+def test_a_wake_after_the_bell_closed_writes_to_no_file():
+    """A late score of a past round may wake a bell that has closed; its pipe's descriptors may
+    then name another file (here a new pipe, which takes the lowest free numbers): nothing reaches it."""
+    bell = Bell()
+    bell.wake()
+    assert bell.rung(30) == set() and bell.woken
+    bell.close()
+    r, w = os.pipe()
+    try:
+        os.set_blocking(r, False)
+        bell.wake()
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(r)
+        os.close(w)
+    print("a wake after close: nothing written to the pipe that took its descriptors")
