@@ -310,7 +310,7 @@ GPU_RUN = "docs/gpu/2026-11-23-h100-b/run3-acceptance.json"
 
 def headline() -> str:
     """README's front-page table: one line per kind of evidence, each linking to its full block."""
-    e2e_r, sim_r = (json.loads((RESULTS / f"{n}.json").read_text()) for n in ("e2e", "sim"))
+    e2e_r, sim_r, control_r = (json.loads((RESULTS / f"{n}.json").read_text()) for n in ("e2e", "sim", "control"))
     gpu = json.loads((REPO / GPU_RUN).read_text())
     speedups = list(e2e_r["per_seed_speedup"].values())
     parity = e2e_r["reward_parity"]
@@ -335,7 +335,12 @@ def headline() -> str:
         f"on Qwen2.5-0.5B's shape | [docs/gpu.md](docs/gpu.md), `{GPU_RUN}` |",
         f"| cluster projection (the real scheduler on modeled H800s) | rollout speedup over the baseline: {sims} "
         f"| [results: cluster-scale projection](docs/results.md#end-to-end), `{sim_r['command']}` at "
-        f"{sim_r['commit']} |"])
+        f"{sim_r['commit']} |",
+        f"| rank 0's control plane (the real coordinator driving N engine servers on this machine) | rank 0's CPU, "
+        f"as a share of the modeled round: "
+        + ", ".join(f"{x['overhead']:.1%} at {x['engines']} engines" for x in control_r["sizes"])
+        + " (goal: 2%) | [results: rank 0 at cluster scale](docs/results.md#rank-0-at-cluster-scale-the-control-plane), "
+        f"`python -m bench.bench_control` at {control_r['commit']} |"])
 
 
 def control(r: dict[str, Any]) -> str:
