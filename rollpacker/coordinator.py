@@ -301,11 +301,14 @@ class Bell:
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         self.woken = self._wake_r in events
         if self.woken:
-            self._woken = False  # before the caller looks at what the waker left it
             try:
                 os.read(self._wake_r, 1 << 16)
             except BlockingIOError:
                 pass
+            # after the read, before the caller looks at what the wakers left it: a wake between the
+            # two wrote nothing (the flag was up) but its waker's news is already there to be seen;
+            # the other order could drain a byte whose wake then left the flag up for good
+            self._woken = False
         if self.sock in events:
             while True:
                 try:

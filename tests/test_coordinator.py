@@ -381,3 +381,30 @@ def test_a_wake_after_the_bell_closed_writes_to_no_file():
         os.close(r)
         os.close(w)
     print("a wake after close: nothing written to the pipe that took its descriptors")
+
+
+def test_a_wake_that_lands_while_the_bell_drains_its_pipe_leaves_later_wakes_working(monkeypatch):
+    """A score may wake the bell just as ``rung`` drains its pipe. That wake's news is seen by the
+    caller at once; what matters is that the next wake still wakes: drained before the flag that
+    spares repeated writes was lowered, a wake could leave that flag up with no byte in the pipe,
+    and every later wake would then be skipped."""
+    from rollpacker import coordinator
+
+    bell = Bell()
+    read = os.read
+
+    def wake_then_read(fd: int, n: int) -> bytes:
+        if fd == bell._wake_r:
+            monkeypatch.setattr(coordinator.os, "read", read)
+            bell.wake()  # lands between the poll that saw the pipe and its drain
+        return read(fd, n)
+
+    try:
+        bell.wake()
+        monkeypatch.setattr(coordinator.os, "read", wake_then_read)
+        assert bell.rung(30) == set() and bell.woken
+        bell.wake()  # a later score
+        assert bell.rung(5) == set() and bell.woken, "a wake after the drain was lost"
+    finally:
+        bell.close()
+    print("a wake during the drain, then another: both woke the bell")
