@@ -28,7 +28,6 @@ import functools
 import os
 import resource
 import socket
-import threading
 import time
 from urllib.parse import urlparse
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RequestError,
                                        RolloutEngine)
+from rollpacker.wakeup import Wakeup
 
 _STOP = "__stop_serving__"
 ROUND_END = "round_end"  # why a server stops: the round is over ...
@@ -256,18 +256,11 @@ class Bell:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = _bind(self.sock, 128)
         self._enrolled = 0
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._woken = False  # a byte waits in the pipe: later wakes need not write one
+        self._wakeup = Wakeup()
         self.woken = False  # the last ``rung`` was woken
-        # a score of a past round may still call ``wake`` while the bell closes: it must not write
-        # to the pipe's descriptor once closed, or after the number went to another file
-        self._pipe_lock = threading.Lock()
-        self._closed = False
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._wakeup.fd, zmq.POLLIN)
 
     def enroll(self) -> int:
         self._enrolled += 1
@@ -281,17 +274,8 @@ class Bell:
         return f"tcp://{here}:{self.port}"
 
     def wake(self) -> None:
-        """Make a waiting (or the next) ``rung`` return; safe from any thread."""
-        if self._woken:
-            return
-        self._woken = True
-        with self._pipe_lock:
-            if self._closed:
-                return
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # the pipe is full of wake-ups already
-                pass
+        """Make a waiting (or the next) ``rung`` return; safe from any thread, and after ``close``."""
+        self._wakeup.wake()
 
     def rung(self, timeout_s: float = 0.0) -> set[int]:
         """The tokens of the proxies whose servers rang since the last call; when none has and
@@ -299,16 +283,9 @@ class Bell:
         ``wake`` came: its waker left something to look at before the next wait."""
         out: set[int] = set()
         events = dict(self._poller.poll(int(timeout_s * 1000)))
-        self.woken = self._wake_r in events
+        self.woken = self._wakeup.fd in events
         if self.woken:
-            try:
-                os.read(self._wake_r, 1 << 16)
-            except BlockingIOError:
-                pass
-            # after the read, before the caller looks at what the wakers left it: a wake between the
-            # two wrote nothing (the flag was up) but its waker's news is already there to be seen;
-            # the other order could drain a byte whose wake then left the flag up for good
-            self._woken = False
+            self._wakeup.drain()
         if self.sock in events:
             while True:
                 try:
@@ -319,10 +296,7 @@ class Bell:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        with self._pipe_lock:
-            self._closed = True
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        self._wakeup.close()
 
 
 class RemoteEngine(RolloutEngine):

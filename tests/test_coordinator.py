@@ -388,20 +388,20 @@ def test_a_wake_that_lands_while_the_bell_drains_its_pipe_leaves_later_wakes_wor
     caller at once; what matters is that the next wake still wakes: drained before the flag that
     spares repeated writes was lowered, a wake could leave that flag up with no byte in the pipe,
     and every later wake would then be skipped."""
-    from rollpacker import coordinator
+    from rollpacker import wakeup
 
     bell = Bell()
     read = os.read
 
     def wake_then_read(fd: int, n: int) -> bytes:
-        if fd == bell._wake_r:
-            monkeypatch.setattr(coordinator.os, "read", read)
+        if fd == bell._wakeup.fd:
+            monkeypatch.setattr(wakeup.os, "read", read)
             bell.wake()  # lands between the poll that saw the pipe and its drain
         return read(fd, n)
 
     try:
         bell.wake()
-        monkeypatch.setattr(coordinator.os, "read", wake_then_read)
+        monkeypatch.setattr(wakeup.os, "read", wake_then_read)
         assert bell.rung(30) == set() and bell.woken
         bell.wake()  # a later score
         assert bell.rung(5) == set() and bell.woken, "a wake after the drain was lost"

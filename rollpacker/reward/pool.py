@@ -46,6 +46,7 @@ from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
 from rollpacker.reward.scorers.code import parse_tests
 from rollpacker.reward.worker import PROGRAM, READY, Job, Outcome, WorkerSettings, worker_main
+from rollpacker.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from rollpacker.reward.scorers.judge import LLMJudge
@@ -125,9 +126,7 @@ class RewardPool:
         self._abandoned = False  # the process exits without close(): stop, replace no worker
         self._replaced = self._retried = self._start_failures = 0
         self._all_ready = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        self._wake_pending = False  # a wake-up byte is in the pipe: later submits need not write one
+        self._wakeup = Wakeup()  # a submit (or close) wakes the dispatcher
         self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
         self._thread.start()
@@ -158,7 +157,7 @@ class RewardPool:
             if self._closing:
                 raise RuntimeError("RewardPool.submit after close() or after its dispatcher failed")
             self._queue.put(request)
-        self._wake()
+        self._wakeup.wake()
         return request.future
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -172,10 +171,9 @@ class RewardPool:
                 return
             self._closing = self._closed = True
         atexit.unregister(self._abandon)
-        self._wake()
+        self._wakeup.wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wakeup.close()
         if self._judge is not None:
             self._judge.close()
 
@@ -218,21 +216,12 @@ class RewardPool:
         budget = 3 * self._cfg.math_timeout + grace if scorer == MATH else grace
         return _Request(Job(scorer, response, str(label)), Future(), budget)
 
-    def _wake(self) -> None:
-        if self._wake_pending:
-            return
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the dispatcher already has wake-ups pending
-            pass
-
     def _abandon(self) -> None:
         """At exit without ``close()`` (the process is failing): stop the workers now. Left to
         multiprocessing's exit handler (registered earlier, so run after this one), they would die
         under a running dispatcher, which would take them for crashes and restart them."""
         self._abandoned = self._closing = True
-        self._wake()
+        self._wakeup.wake()
         self._thread.join(10)
 
     # ---- workers ------------------------------------------------------------------------
@@ -319,13 +308,12 @@ class RewardPool:
                 if self._closing and not busy and not self._retry and self._queue.empty():
                     break
                 timeout = max(0.0, min(s.deadline for s in busy) - time.monotonic()) if busy else None
-                waitables = [self._wake_r] + [s.conn for s in self._slots] + [s.process.sentinel for s in self._slots]
+                waitables = [self._wakeup.fd] + [s.conn for s in self._slots] + [s.process.sentinel for s in self._slots]
                 ready = wait(waitables, timeout)
                 if self._abandoned:
                     break
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 1 << 16)
-                    self._wake_pending = False  # before the next _assign reads the queue
+                if self._wakeup.fd in ready:
+                    self._wakeup.drain()  # before the next _assign reads the queue
                 for slot in list(self._slots):
                     if slot.conn in ready:
                         self._receive(slot)

@@ -162,17 +162,27 @@ class RoundRunner:
             future = self.reward.submit(sample)
             group.scoring[c.request_id] = (sample, future)
             self.scoring_groups.add(group.index)
-            if callable(getattr(future, "add_done_callback", None)):  # told when scored, not asked every loop
-                future.add_done_callback(functools.partial(self._scored, group.index))
-            else:
+            if not self._when_scored(future, functools.partial(self._scored, group.index)):
                 self.polled_groups.add(group.index)
         else:
             self._ready(group, sample)
 
-    def _scored(self, group_index: int, _future: ScoreFuture) -> None:
-        """A score came (on the reward pool's thread): its group is looked at, the driver woken."""
+    def _when_scored(self, future: ScoreFuture, then: Callable[[], None]) -> bool:
+        """``then()`` and a wake of the driver when ``future`` is scored (from the scoring thread), if
+        it tells when it is (the reward pool's); False for one that must be asked (the simulator's)."""
+        if not callable(getattr(future, "add_done_callback", None)):
+            return False
+
+        def done(_: ScoreFuture) -> None:
+            then()
+            self.driver.wake()
+
+        future.add_done_callback(done)
+        return True
+
+    def _scored(self, group_index: int) -> None:
+        """A score came: its group is looked at (told, not asked every loop)."""
         self.scored.append(group_index)
-        self.driver.wake()
 
     def _collect_scores(self) -> None:
         told = set()
@@ -225,8 +235,7 @@ class RoundRunner:
     def _score_after_rollout(self) -> None:
         pending = [(s, self.reward.submit(s)) for group in self.kept for s in group]
         for _, future in pending:
-            if callable(getattr(future, "add_done_callback", None)):
-                future.add_done_callback(lambda _: self.driver.wake())
+            self._when_scored(future, lambda: None)
         for sample, future in pending:
             while not future.done():
                 self.driver.wait_for_time()
