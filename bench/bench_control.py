@@ -172,7 +172,7 @@ def serve(count: int, first_id: int, engines: int, rounds: int, speed: float, se
         wake = [t for t in (e.next_wall_time() for e in hosted) if t is not None]
         timeout = None if not wake else max(0, int((min(wake) - time.monotonic()) * 1000) + 1)
         events = poller.poll(timeout)
-        for i, engine in enumerate(hosted):  # completions due by now wait in each server for its poll
+        for i, engine in enumerate(hosted):  # completions due by now are pushed to rank 0
             if engine.next_wall_time() is not None and engine.next_wall_time() <= time.monotonic():
                 servers[i].collect(engine)
         for sock, _ in events:
@@ -300,6 +300,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
             sink = PoolRewardSink(pool)
             idle = idle_cpu_per_s(remotes, args.idle_s)
             sent_before = sum((r.sent for r in remotes), collections.Counter())
+            pushes_before = bell.received
             rounds, launches = [], []
             profiler = cProfile.Profile(time.thread_time) if args.profile else None  # main thread CPU
             for index in range(args.rounds):
@@ -325,6 +326,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                       f"in {wall:.2f} s wall; modeled {modeled[index]:.1f} s, replayed {s.rollout_seconds:.1f} s",
                       flush=True)
             sent = sum((r.sent for r in remotes), collections.Counter()) - sent_before
+            sent["push"] = bell.received - pushes_before  # the servers' completions (one-way, no reply)
         stop_serving(remotes, EXIT)
         reports = hosts.reports()
     finally:

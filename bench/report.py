@@ -369,7 +369,7 @@ def control(r: dict[str, Any]) -> str:
     lines += ["", "Rank 0 CPU: this process's (scheduler, channel, reward dispatch and their threads), the replay's "
                   "plus its idle wake-ups over the rest of the modeled round at real speed. The round as replayed "
                   "is longer than the model's when rank 0 (or this machine) could not keep up; completions then "
-                  "reach rank 0 in larger batches than at real speed, so its polls per round are a lower bound "
+                  "reach rank 0 in larger batches than at real speed, so its pushes per round are a lower bound "
                   "(at most one per request). Launch → engine: from the round's launch to the request reaching "
                   "its engine's server, in wall seconds of the replay."]
     return "\n".join(lines)

@@ -4,12 +4,12 @@ Rank 0 runs the scheduler. An engine whose leader is another rank is reached
 through a ``RemoteEngine`` proxy (a ``RolloutEngine`` like any other) that
 talks over ZeroMQ REQ/REP to an ``EngineServer`` on the leader. The server
 keeps stepping its engine whenever it has work and answers messages between
-steps, so remote engines decode concurrently with rank 0's own engine; a
-``poll`` from the coordinator only collects completions already buffered.
-A server with completions waiting rings rank 0's ``Bell`` once (PUSH/PULL),
-so the coordinator polls only the engines that rang and otherwise sleeps on
-one socket: its cost follows the completions, not the number of engines or
-the seconds a round lasts (``bench/bench_control.py``).
+steps, so remote engines decode concurrently with rank 0's own engine. Once
+the coordinator gave it a ``Bell`` address, the server pushes each batch of
+completions to rank 0 as it finishes (PUSH/PULL, one socket on rank 0 for all
+engines): the coordinator neither polls engines nor waits on each in turn, and
+sleeps on that one socket. Its cost follows the completions, not the number
+of engines or the seconds a round lasts (``bench/bench_control.py``).
 
 In long rounds the coordinator also feeds finished prompt groups to ranks
 handed to the stream trainer (``GroupFeed`` → ``GroupInbox``, PUSH/PULL).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import resource
 import socket
 import time
@@ -153,10 +154,11 @@ class EngineServer:
     def __init__(self):
         self._channel = _Channel(zmq.REP, "the coordinator (rank 0)")
         self.port = _bind(self._channel.sock, 0)
-        self._done: list[Completion] = []
+        self._done: list[Completion] = []  # finished, not yet pushed or polled
+        # pushed this round, by request id: an evict still hands them back (a push may cross it)
+        self._pushed: dict[str, Completion] = {}
         self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell, once it asked for one
         self._bell_address, self._token = "", b""
-        self._rang = False  # the bell rang for what waits in _done; a poll resets it
 
     def serve(self, engine: RolloutEngine) -> str:
         """Step ``engine`` whenever it has work, answer messages between steps, until told to
@@ -165,7 +167,7 @@ class EngineServer:
             busy = bool(engine.active_request_ids())
             if self._channel.ready(0 if busy else 50) and (reason := self.answer(engine)) is not None:
                 return reason
-            if busy:
+            if busy or self._done:  # _done: a push the bell's full socket refused, tried again
                 self.collect(engine)
 
     @property
@@ -180,29 +182,37 @@ class EngineServer:
             self._channel.sock.send_pyobj(("ok", None))
             # whatever the round left here must not reach the next one: a request id comes back when
             # its deferred prompt is launched again, and a response sampled under older weights
-            # would pass for the new one's
-            self._token, self._rang, self._done = b"", False, []
+            # would pass for the new one's (pushes already on their way carry the round's token,
+            # which the bell no longer accepts)
+            self._token, self._done, self._pushed = b"", [], {}
             return args[0]
         self._channel.sock.send_pyobj(self._handle(engine, method, args))
-        self._ring()
+        self._push()
         return None
 
     def collect(self, engine: RolloutEngine) -> None:
-        """Advance ``engine``; what finished waits for the coordinator's next poll."""
+        """Advance ``engine``; what finished goes to the coordinator's bell (or waits for its poll)."""
         self._done.extend(engine.poll(0.0))
-        self._ring()
+        self._push()
 
     def _take(self, ids: set[str]) -> list[Completion]:
-        """The finished completions of ``ids`` still waiting for a poll, removed from it."""
+        """The finished completions of ``ids`` not yet pushed or polled, removed from the buffer."""
         taken = [c for c in self._done if c.request_id in ids]
         self._done = [c for c in self._done if c.request_id not in ids]
-        self._rang = self._rang and bool(self._done)
         return taken
 
-    def _ring(self) -> None:
-        if self._done and self._token and not self._rang:
-            self._bell.send(self._token)
-            self._rang = True
+    def _push(self) -> None:
+        """What finished, to the bell in one message. Never blocks the engine's loop: with the
+        coordinator's socket full or gone, it waits here for the next try (or a poll)."""
+        if not (self._done and self._token):
+            return
+        try:
+            self._bell.send_multipart([self._token, pickle.dumps(self._done, pickle.HIGHEST_PROTOCOL)],
+                                      zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        self._pushed.update((c.request_id, c) for c in self._done)
+        self._done = []
 
     def _watch(self, address: str, token: bytes) -> None:
         if address != self._bell_address:
@@ -212,7 +222,7 @@ class EngineServer:
             self._bell.setsockopt(zmq.LINGER, 0)
             self._bell.connect(address)
             self._bell_address = address
-        self._token, self._rang = token, False
+        self._token, self._pushed = token, {}
 
     def close(self) -> None:
         if self._bell is not None:
@@ -221,22 +231,25 @@ class EngineServer:
 
     def _handle(self, engine: RolloutEngine, method: str, args: tuple) -> tuple[str, Any]:
         try:
-            if method == "poll":
-                out, self._done, self._rang = self._done, [], False
+            if method == "poll":  # what no bell took (none given yet, or its socket was full)
+                out, self._done = self._done, []
                 return "ok", out
-            if method == "submit":  # the round's first also says where to ring
+            if method == "submit":  # the round's first also says where to push
                 requests, watch = args
                 if watch is not None:
                     self._watch(*watch)
                 engine.submit(requests)
                 return "ok", None
             if method == "abort":  # an aborted request is never returned, even one already finished here
-                self._take(set(args[0]))
+                ids = set(args[0])
+                self._take(ids)
+                for rid in ids:
+                    self._pushed.pop(rid, None)
                 engine.abort(args[0])
                 return "ok", None
-            if method == "evict":  # finished but not yet collected ones are handed back too
+            if method == "evict":  # finished ones are handed back too, pushed or not: a push may cross it
                 ids = set(args[0])
-                handed = self._take(ids)
+                handed = self._take(ids) + [self._pushed.pop(rid) for rid in ids if rid in self._pushed]
                 return "ok", handed + engine.evict(ids - {c.request_id for c in handed})
             return "ok", getattr(engine, method)(*args)
         except RequestError as exc:
@@ -246,18 +259,22 @@ class EngineServer:
 
 
 class Bell:
-    """Rank 0's doorbell: the server of a ``RemoteEngine`` made with it rings (sends the proxy's
-    token) when completions wait for a poll, once until the next poll collects them. Another thread
-    of rank 0 (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps
-    until something happened, never on a timer."""
+    """Rank 0's inbox of completions: the server of a ``RemoteEngine`` made with it pushes what its
+    engine finished, tagged with the proxy's token and the bell's round. Another thread of rank 0
+    (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps until
+    something happened, never on a timer."""
 
     def __init__(self):
         self.sock = _context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = _bind(self.sock, 128)
         self._enrolled = 0
+        # pushes of an earlier round (sent before its servers were stopped) are dropped: a deferred
+        # prompt's request ids come back in a later round, and a stale response would pass for its own
+        self.round = 0
+        self.received = 0  # pushes taken, all rounds
         self._wakeup = Wakeup()
-        self.woken = False  # the last ``rung`` was woken
+        self.woken = False  # the last ``collect`` was woken
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
@@ -265,6 +282,15 @@ class Bell:
     def enroll(self) -> int:
         self._enrolled += 1
         return self._enrolled
+
+    def new_round(self) -> None:
+        """From now on only pushes tagged with the next round count (proxies tell their servers at
+        their next submit)."""
+        self.round += 1
+
+    def tag(self, token: int) -> bytes:
+        """What a proxy's server sends with its pushes this round."""
+        return b"%d:%d" % (token, self.round)
 
     def address_for(self, endpoint: Endpoint) -> str:
         """This bell as the server at ``endpoint`` reaches it: loopback on this host, else by this
@@ -274,24 +300,28 @@ class Bell:
         return f"tcp://{here}:{self.port}"
 
     def wake(self) -> None:
-        """Make a waiting (or the next) ``rung`` return; safe from any thread, and after ``close``."""
+        """Make a waiting (or the next) ``collect`` return; safe from any thread, and after ``close``."""
         self._wakeup.wake()
 
-    def rung(self, timeout_s: float = 0.0) -> set[int]:
-        """The tokens of the proxies whose servers rang since the last call; when none has and
-        nothing woke it, waits up to ``timeout_s`` for either. ``woken`` then says whether a
-        ``wake`` came: its waker left something to look at before the next wait."""
-        out: set[int] = set()
+    def collect(self, timeout_s: float = 0.0) -> list[Completion]:
+        """The completions pushed this round since the last call; when none came and nothing woke
+        it, waits up to ``timeout_s`` for either. ``woken`` then says whether a ``wake`` came: its
+        waker left something to look at before the next wait."""
+        out: list[Completion] = []
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         self.woken = self._wakeup.fd in events
         if self.woken:
             self._wakeup.drain()
         if self.sock in events:
+            current = b":%d" % self.round
             while True:
                 try:
-                    out.add(int(self.sock.recv(zmq.NOBLOCK)))
+                    tag, payload = self.sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                self.received += 1
+                if tag.endswith(current):
+                    out += pickle.loads(payload)
         return out
 
     def close(self) -> None:
@@ -302,8 +332,8 @@ class Bell:
 class RemoteEngine(RolloutEngine):
     """Proxy for an engine served by another rank's ``EngineServer``.
 
-    With a ``bell`` its server rings when completions wait: ``EngineDriver`` then polls it only
-    when it rang (``bell_token``) instead of on every sweep."""
+    With a ``bell`` its server pushes completions to the bell as they finish: ``EngineDriver`` then
+    takes them from there (tagged ``bell_token``) instead of polling."""
 
     def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0, bell: Bell | None = None):
         self.endpoint, self.engine_id = endpoint, engine_id
@@ -311,14 +341,14 @@ class RemoteEngine(RolloutEngine):
         self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
         self._channel.sock.connect(endpoint.address)
         self.bell, self.bell_token = bell, bell.enroll() if bell is not None else 0
-        self._watched = False  # the server rings for this proxy (set by the round's first submit)
+        self._watched: int | None = None  # the bell's round the server pushes for (told at a submit)
 
     def begin(self, method: str, *args: Any) -> Callable[[], Any]:
         """Send a call; the returned function waits for its reply (``scheduler.protocols.Pipelined``)."""
         if method == "submit":
             args = (*args, self._watch_once())
         elif method == _STOP:  # the server forgets the bell with the round
-            self._watched = False
+            self._watched = None
         self._channel.sock.send_pyobj((method, args))
         return functools.partial(self._reply, method)
 
@@ -326,11 +356,11 @@ class RemoteEngine(RolloutEngine):
         return self.begin(method, *args)()
 
     def _watch_once(self) -> tuple[str, bytes] | None:
-        """Where the server should ring, with the round's first submit."""
-        if self.bell is None or self._watched:
+        """Where the server should push and with what tag, with the round's first submit."""
+        if self.bell is None or self._watched == self.bell.round:
             return None
-        self._watched = True
-        return self.bell.address_for(self.endpoint), b"%d" % self.bell_token
+        self._watched = self.bell.round
+        return self.bell.address_for(self.endpoint), self.bell.tag(self.bell_token)
 
     def _reply(self, method: str) -> Any:
         if not self._channel.ready(self._timeout_ms):

@@ -103,16 +103,28 @@ class Never:
 
 
 class FinishesAtOnce(Never):
-    """An engine whose every request finishes the first time its server steps it."""
+    """An engine whose every request finishes the first time its server steps it, with one token:
+    how many of these engines its process made before it (a server makes one per round)."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.number = FinishesAtOnce.made
+        FinishesAtOnce.made += 1
 
     def poll(self, timeout=0.0):
         from rollpacker.rollout.engine import Completion
 
         done, self.pending = self.pending, []
-        return [Completion(rid, [1, 2], [-0.5, -0.5], "stop") for rid in done]
+        return [Completion(rid, [self.number], [-0.5], "stop") for rid in done]
 
     def abort(self, request_ids) -> None:
         self.pending = [rid for rid in self.pending if rid not in set(request_ids)]
+
+    def evict(self, request_ids):
+        self.abort(request_ids)
+        return []
 
 
 def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
@@ -276,11 +288,16 @@ def _raised(call: Callable[[], object]) -> BaseException | None:
     return None
 
 
-def test_a_finished_response_aborted_or_left_at_a_round_end_never_reaches_a_later_poll():
-    """The server's buffer keeps the engine's contract: an aborted request is not returned, even one
-    that finished before the abort came, and what a round left is gone when the next round starts
-    (a deferred prompt is launched again under the same request ids: a stale response returned then
-    would be one sampled under the older weights)."""
+def test_a_push_reaches_the_driver_only_while_its_request_is_outstanding():
+    """A server pushes each completion to rank 0's bell as it finishes, so a push can cross rank 0's
+    abort, a hand-off's evict or the round's end. The driver takes only what it still waits for: a
+    response finished before its abort came is dropped; one finished before an evict
+    comes back once, in the evict's hand-back; and a push left from the last round is dropped in the
+    next, where a deferred prompt's request ids come back (a stale response would pass for the one
+    sampled under the new weights)."""
+    from rollpacker.scheduler.clock import RealClock
+    from rollpacker.scheduler.dispatch import EngineDriver
+
     server = child("""
         from rollpacker.coordinator import EngineServer
         from test_coordinator import FinishesAtOnce
@@ -293,26 +310,42 @@ def test_a_finished_response_aborted_or_left_at_a_round_end_never_reaches_a_late
     proxy = RemoteEngine(Endpoint(1, f"tcp://127.0.0.1:{int(server.stdout.readline())}", ""), engine_id=1,
                          timeout_s=60, bell=bell)
 
-    def finished(rid: str) -> None:  # the server holds its completion, not yet polled
-        proxy.submit([GenerationRequest(rid, [1], SamplingParams())])
-        assert bell.rung(30) == {proxy.bell_token}, f"{rid} did not finish"
+    def launch(driver: EngineDriver, rid: str) -> None:  # it finishes at once; wait until its push is here
+        driver.submit([GenerationRequest(rid, [1], SamplingParams())])
+        assert bell.sock.poll(30_000), f"{rid} was not pushed"
+
+    def taken(driver: EngineDriver) -> list[tuple[str, list[int]]]:
+        got: list = []
+        while not got and driver.outstanding:
+            got = driver.poll()
+        return [(c.request_id, list(c.output_ids)) for c in got]
 
     try:
-        finished("a")
-        proxy.abort(["a"])
-        finished("b")
-        after_abort = [c.request_id for c in proxy.poll()]
-        finished("c")
+        first = EngineDriver([proxy], RealClock())
+        launch(first, "a")
+        first.abort(["a"])
+        launch(first, "b")
+        after_abort = taken(first)
+        launch(first, "c")
+        first.abort(first.outstanding_ids())  # the round closes with c's push unread
         proxy.stop_serving(ROUND_END)
-        finished("d")  # the next round
-        next_round = [c.request_id for c in proxy.poll()]
+        second = EngineDriver([proxy], RealClock())  # the next round: c launched again
+        launch(second, "c")
+        next_round = taken(second)
+        launch(second, "e")
+        handed = [(c.request_id, c.finish_reason) for c in second.retire([0])]
+        after_retire = second.poll()
     finally:
         proxy.shutdown()
         bell.close()
         server.kill()
         server.wait()
-    print(f"polled after the abort: {after_abort}; in the next round: {next_round}")
-    assert after_abort == ["b"] and next_round == ["d"]
+    print(f"taken after the abort: {after_abort}; in the next round: {next_round}; handed back by the "
+          f"evict: {handed}, then taken: {after_retire}; pushes received: {bell.received}")
+    assert after_abort == [("b", [0])], "the aborted response, or the wrong one, was taken"
+    assert next_round == [("c", [1])], "the last round's response to c was taken in the next"
+    assert handed == [("e", "stop")] and after_retire == []
+    assert bell.received == 5  # a, b, c, c again, e: each came, the stale ones were dropped here
 
 
 def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypatch):
@@ -332,15 +365,15 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
             driver.submit([GenerationRequest("r", [1], SamplingParams())])
             waits: list[float] = []
             waiting = threading.Event()
-            look = bell.rung
+            look = bell.collect
 
-            def rung(timeout_s: float = 0.0) -> set[int]:
+            def collect(timeout_s: float = 0.0) -> list:
                 waits.append(timeout_s)
                 if timeout_s > 0:
                     waiting.set()
                 return look(timeout_s)
 
-            bell.rung = rung
+            bell.collect = collect
             polled: list = []
             poll = threading.Thread(target=lambda: polled.append(driver.poll()), daemon=True)
             poll.start()
@@ -369,7 +402,7 @@ def test_a_wake_after_the_bell_closed_writes_to_no_file():
     then name another file (here a new pipe, which takes the lowest free numbers): nothing reaches it."""
     bell = Bell()
     bell.wake()
-    assert bell.rung(30) == set() and bell.woken
+    assert bell.collect(30) == [] and bell.woken
     bell.close()
     r, w = os.pipe()
     try:
@@ -384,7 +417,7 @@ def test_a_wake_after_the_bell_closed_writes_to_no_file():
 
 
 def test_a_wake_that_lands_while_the_bell_drains_its_pipe_leaves_later_wakes_working(monkeypatch):
-    """A score may wake the bell just as ``rung`` drains its pipe. That wake's news is seen by the
+    """A score may wake the bell just as ``collect`` drains its pipe. That wake's news is seen by the
     caller at once; what matters is that the next wake still wakes: drained before the flag that
     spares repeated writes was lowered, a wake could leave that flag up with no byte in the pipe,
     and every later wake would then be skipped."""
@@ -402,9 +435,9 @@ def test_a_wake_that_lands_while_the_bell_drains_its_pipe_leaves_later_wakes_wor
     try:
         bell.wake()
         monkeypatch.setattr(wakeup.os, "read", wake_then_read)
-        assert bell.rung(30) == set() and bell.woken
+        assert bell.collect(30) == [] and bell.woken
         bell.wake()  # a later score
-        assert bell.rung(5) == set() and bell.woken, "a wake after the drain was lost"
+        assert bell.collect(5) == [] and bell.woken, "a wake after the drain was lost"
     finally:
         bell.close()
     print("a wake during the drain, then another: both woke the bell")

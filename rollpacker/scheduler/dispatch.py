@@ -3,11 +3,11 @@
 ``RolloutEngine.poll`` is the only call that advances an engine. On a real
 clock the driver polls every engine without blocking and, after a sweep that
 returned nothing, lets one engine block briefly (round robin) so that a
-waiting scheduler does not spin. Remote engines that announce their
-completions on a shared bell (``Announcing``) are polled only when they rang,
-and a driver with no local engine waits on the bell: its cost then grows with
-the completions, not with the engines or the length of the round; what else it waits for (scores)
-``wake``s it, so it never wakes on a timer. On a ``VirtualClock`` nothing moves by
+waiting scheduler does not spin. Remote engines whose servers push their
+completions to a shared bell (``Announcing``) are not polled: the driver takes
+what reached the bell, and with no local engine waits on it. Its cost then
+grows with the completions, not with the engines or the length of the round;
+what else it waits for (scores) ``wake``s it, so it never wakes on a timer. On a ``VirtualClock`` nothing moves by
 itself: the driver asks every ``EventSource`` (simulated engines, a reward
 model with latency) for its next event, advances the clock to the earliest,
 then polls every engine, which simulates itself up to the new time.
@@ -24,7 +24,8 @@ from rollpacker.rollout.engine import Completion, EngineStats, GenerationRequest
 from rollpacker.scheduler.clock import Clock, VirtualClock
 from rollpacker.scheduler.protocols import Announcing, EventSource, Pipelined
 
-# with bells, every engine is polled anyway after this long without news: a lost ring cannot stall a round
+# with a bell, every engine is polled anyway after this long without news: completions its server
+# could not push (the bell's socket full) cannot stall a round
 _FULL_SWEEP_AFTER_S = 5.0
 
 
@@ -51,6 +52,8 @@ class EngineDriver:
         if len(bells) > 1:
             raise ValueError("a round's remote engines must share one bell")
         self._bell = next(iter(bells.values()), None)
+        if self._bell is not None:  # what the bell still gets from an earlier driver's round is stale
+            self._bell.new_round()
         self._by_token = {e.bell_token: i for i, e in enumerate(engines)
                           if isinstance(e, Announcing) and e.bell is not None}
         self._local = [i for i in range(len(engines)) if i not in self._by_token.values()]
@@ -153,29 +156,30 @@ class EngineDriver:
         self._account()
         done = []
         for c in raw:
-            if c.request_id in self._owner:  # a completion racing its own abort is dropped
+            # a completion racing its own abort is dropped, as is one pushed by an engine whose
+            # requests ``retire`` handed back (the evict returned it too)
+            if c.request_id in self._owner:
                 self._release(c.request_id)
                 done.append(c)
         return done
 
     def _poll_announced(self) -> list[Completion]:
-        """Local engines and the remote ones that rang; with nothing and no local engine, sleep until a
-        server rings, ``wake`` is called or the next full sweep is due."""
+        """Local engines and what reached the bell; with nothing and no local engine, sleep until a
+        server pushes, ``wake`` is called or the next full sweep is due."""
         local = [i for i in self._local if i not in self._retired]
         if time.monotonic() - self._last_news > _FULL_SWEEP_AFTER_S:
             polled = [i for i in range(len(self._engines)) if i not in self._retired]
             self._last_news = time.monotonic()
         else:
-            polled = local + self._rung(self._bell.rung())
-        raw = [c for i in polled for c in self._engines[i].poll(0.0)]
+            polled = local
+        raw = [c for i in polled for c in self._engines[i].poll(0.0)] + self._bell.collect()
         if not raw and self._owner:
             if local:
                 engine = self._engines[local[self._next_blocking % len(local)]]
                 self._next_blocking += 1
                 raw = engine.poll(self._idle_poll_s)
             elif not self._bell.woken:  # woken: the caller has something to look at first
-                rung = self._bell.rung(max(0.0, self._last_news + _FULL_SWEEP_AFTER_S - time.monotonic()))
-                raw = [c for i in self._rung(rung) for c in self._engines[i].poll(0.0)]
+                raw = self._bell.collect(max(0.0, self._last_news + _FULL_SWEEP_AFTER_S - time.monotonic()))
         if raw or not self._owner:
             self._last_news = time.monotonic()
         return raw
@@ -186,17 +190,16 @@ class EngineDriver:
         if self._bell is not None:
             self._bell.wake()
 
-    def _rung(self, tokens: set[int]) -> list[int]:
-        return [i for i in (self._by_token.get(t) for t in tokens) if i is not None and i not in self._retired]
-
     def wait_for_time(self) -> None:
-        """Wait for something other than the engines (reward scores): on a virtual clock, move to
-        the next simulated event; with a bell and no local engine, until ``wake`` (the rings of
-        engines with nothing outstanding carry no news); else sleep briefly."""
+        """Wait for something other than the engines (reward scores), with no request outstanding:
+        on a virtual clock, move to the next simulated event; with a bell and no local engine, until
+        ``wake`` (what reaches the bell meanwhile is stale: nothing is outstanding); else sleep briefly."""
+        if self._owner:
+            raise RuntimeError("wait_for_time with requests outstanding: poll for them instead")
         if self._virtual:
             self._advance_virtual_clock()
         elif self._bell is not None and not self._local:
-            self._bell.rung(_FULL_SWEEP_AFTER_S)
+            self._bell.collect(_FULL_SWEEP_AFTER_S)
         else:
             time.sleep(self._idle_poll_s)
 

@@ -56,9 +56,9 @@ class EventSource(Protocol):
 
 @runtime_checkable
 class Announcing(Protocol):
-    """A remote engine whose server rings a bell shared with others when completions wait for a
-    poll (``coordinator.Bell``): the driver polls it only when its token rang, and waits on the
-    bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
+    """A remote engine whose server pushes its completions, tagged ``bell_token``, to a bell shared
+    with others (``coordinator.Bell``): the driver takes them from there instead of polling it, and
+    waits on the bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
 
     bell: Any
     bell_token: int
