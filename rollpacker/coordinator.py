@@ -158,7 +158,7 @@ class EngineServer:
         # pushed this round, by request id: an evict still hands them back (a push may cross it)
         self._pushed: dict[str, Completion] = {}
         self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell, once it asked for one
-        self._bell_address, self._token = "", b""
+        self._bell_address, self._tag = "", b""
 
     def serve(self, engine: RolloutEngine) -> str:
         """Step ``engine`` whenever it has work, answer messages between steps, until told to
@@ -182,9 +182,9 @@ class EngineServer:
             self._channel.sock.send_pyobj(("ok", None))
             # whatever the round left here must not reach the next one: a request id comes back when
             # its deferred prompt is launched again, and a response sampled under older weights
-            # would pass for the new one's (pushes already on their way carry the round's token,
+            # would pass for the new one's (pushes already on their way carry the round's tag,
             # which the bell no longer accepts)
-            self._token, self._done, self._pushed = b"", [], {}
+            self._tag, self._done, self._pushed = b"", [], {}
             return args[0]
         self._channel.sock.send_pyobj(self._handle(engine, method, args))
         self._push()
@@ -204,17 +204,17 @@ class EngineServer:
     def _push(self) -> None:
         """What finished, to the bell in one message. Never blocks the engine's loop: with the
         coordinator's socket full or gone, it waits here for the next try (or a poll)."""
-        if not (self._done and self._token):
+        if not (self._done and self._tag):
             return
         try:
-            self._bell.send_multipart([self._token, pickle.dumps(self._done, pickle.HIGHEST_PROTOCOL)],
+            self._bell.send_multipart([self._tag, pickle.dumps(self._done, pickle.HIGHEST_PROTOCOL)],
                                       zmq.NOBLOCK)
         except zmq.Again:
             return
         self._pushed.update((c.request_id, c) for c in self._done)
         self._done = []
 
-    def _watch(self, address: str, token: bytes) -> None:
+    def _watch(self, address: str, tag: bytes) -> None:
         if address != self._bell_address:
             if self._bell is not None:
                 self._bell.close(linger=0)
@@ -222,7 +222,7 @@ class EngineServer:
             self._bell.setsockopt(zmq.LINGER, 0)
             self._bell.connect(address)
             self._bell_address = address
-        self._token, self._pushed = token, {}
+        self._tag, self._pushed = tag, {}
 
     def close(self) -> None:
         if self._bell is not None:
@@ -260,7 +260,7 @@ class EngineServer:
 
 class Bell:
     """Rank 0's inbox of completions: the server of a ``RemoteEngine`` made with it pushes what its
-    engine finished, tagged with the proxy's token and the bell's round. Another thread of rank 0
+    engine finished, tagged with the bell's round. Another thread of rank 0
     (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps until
     something happened, never on a timer."""
 
@@ -268,7 +268,6 @@ class Bell:
         self.sock = _context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = _bind(self.sock, 128)
-        self._enrolled = 0
         # pushes of an earlier round (sent before its servers were stopped) are dropped: a deferred
         # prompt's request ids come back in a later round, and a stale response would pass for its own
         self.round = 0
@@ -279,18 +278,15 @@ class Bell:
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
 
-    def enroll(self) -> int:
-        self._enrolled += 1
-        return self._enrolled
-
     def new_round(self) -> None:
         """From now on only pushes tagged with the next round count (proxies tell their servers at
         their next submit)."""
         self.round += 1
 
-    def tag(self, token: int) -> bytes:
-        """What a proxy's server sends with its pushes this round."""
-        return b"%d:%d" % (token, self.round)
+    @property
+    def tag(self) -> bytes:
+        """What every server sends with its pushes this round."""
+        return b"%d" % self.round
 
     def address_for(self, endpoint: Endpoint) -> str:
         """This bell as the server at ``endpoint`` reaches it: loopback on this host, else by this
@@ -313,14 +309,14 @@ class Bell:
         if self.woken:
             self._wakeup.drain()
         if self.sock in events:
-            current = b":%d" % self.round
+            current = self.tag
             while True:
                 try:
                     tag, payload = self.sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self.received += 1
-                if tag.endswith(current):
+                if tag == current:
                     out += pickle.loads(payload)
         return out
 
@@ -333,14 +329,14 @@ class RemoteEngine(RolloutEngine):
     """Proxy for an engine served by another rank's ``EngineServer``.
 
     With a ``bell`` its server pushes completions to the bell as they finish: ``EngineDriver`` then
-    takes them from there (tagged ``bell_token``) instead of polling."""
+    takes them from there instead of polling."""
 
     def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0, bell: Bell | None = None):
         self.endpoint, self.engine_id = endpoint, engine_id
         self._timeout_ms = int(timeout_s * 1000)
         self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
         self._channel.sock.connect(endpoint.address)
-        self.bell, self.bell_token = bell, bell.enroll() if bell is not None else 0
+        self.bell = bell
         self._watched: int | None = None  # the bell's round the server pushes for (told at a submit)
 
     def begin(self, method: str, *args: Any) -> Callable[[], Any]:
@@ -360,7 +356,7 @@ class RemoteEngine(RolloutEngine):
         if self.bell is None or self._watched == self.bell.round:
             return None
         self._watched = self.bell.round
-        return self.bell.address_for(self.endpoint), self.bell.tag(self.bell_token)
+        return self.bell.address_for(self.endpoint), self.bell.tag
 
     def _reply(self, method: str) -> Any:
         if not self._channel.ready(self._timeout_ms):

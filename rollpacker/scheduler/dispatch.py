@@ -54,9 +54,7 @@ class EngineDriver:
         self._bell = next(iter(bells.values()), None)
         if self._bell is not None:  # what the bell still gets from an earlier driver's round is stale
             self._bell.new_round()
-        self._by_token = {e.bell_token: i for i, e in enumerate(engines)
-                          if isinstance(e, Announcing) and e.bell is not None}
-        self._local = [i for i in range(len(engines)) if i not in self._by_token.values()]
+        self._local = [i for i, e in enumerate(engines) if not (isinstance(e, Announcing) and e.bell is not None)]
         self._pipelined = {i for i, e in enumerate(engines) if isinstance(e, Pipelined)}
         self._last_news = time.monotonic()
         self._owner: dict[str, int] = {}  # outstanding request id -> engine index

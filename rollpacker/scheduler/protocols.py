@@ -56,12 +56,11 @@ class EventSource(Protocol):
 
 @runtime_checkable
 class Announcing(Protocol):
-    """A remote engine whose server pushes its completions, tagged ``bell_token``, to a bell shared
-    with others (``coordinator.Bell``): the driver takes them from there instead of polling it, and
-    waits on the bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
+    """A remote engine whose server pushes its completions to a bell shared with others
+    (``coordinator.Bell``): the driver takes them from there instead of polling it, and waits on
+    the bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
 
     bell: Any
-    bell_token: int
 
 
 
