@@ -115,7 +115,7 @@ def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: Po
           f"{s.bubble_fraction:>8.2f}{s.generated_tokens:>9}{s.wasted_tokens:>9}{s.preemptions:>6}"
           f"{busy:>9.2f}{exposed:>9.2f}", flush=True)
     result.trained = sorted((g[0].prompt.uid, g[0].prompt.epoch) for g in result.groups)
-    result.groups = []  # keep only the stats and the trained prompts
+    result.kept = []  # keep only the stats and the trained prompts
     return result
 
 

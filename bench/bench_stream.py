@@ -163,7 +163,7 @@ class InlineReward:
     def __init__(self, score: Callable[[Sample], Score]):
         self.score = score
 
-    def submit(self, sample: Sample) -> Future:
+    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> Future:
         future: Future = Future()
         future.set_result(self.score(sample))
         return future
@@ -224,7 +224,7 @@ def worker(args) -> None:
         # a long round takes its prompts from the queue alone: no fresh prompt source
         return Scheduler(sched, rollout_cfg, None, rollout_ranks=world.size, stop_token_ids=round_.stop_token_ids)
 
-    reward = InlineReward(round_.score) if coordinator else None
+    reward = InlineReward(round_.score)  # every rank's engine scores what it generates
     replica_of = replica_of_ranks(trainer.layout.dp_rank, world.control)
     trigger = (cfg.stream_trigger_low, cfg.stream_trigger_high)
     phases = {mode: RolloutPhase(engines, scheduler=scheduler(), reward=reward, trigger=trigger,

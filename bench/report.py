@@ -356,7 +356,8 @@ def control(r: dict[str, Any]) -> str:
                 for x in run["sizes"]]
 
     head = ["| engines | requests per round | modeled round | the round as replayed (model time) "
-            "| rank 0 CPU per round | of it: main / reward dispatcher / other threads | per request "
+            "| rank 0 CPU per round | of it: coordinator / reward dispatch / ZeroMQ I/O / other threads "
+            "| per request "
             "| overhead (÷ modeled round) | launch → engine p50 / p99 "
             "| messages per round | per modeled s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = [f"{s['model']}, {s['limit'] // 1024}k limit, P0 = 2 × engines, R0 = {s['r0']}, "
@@ -381,8 +382,9 @@ def _threads(size: dict[str, Any]) -> str:
     t = size.get("thread_cpu_s_per_round")
     if not t:
         return "—"
-    main, reward = t.get("MainThread", 0.0), t.get("reward-dispatcher", 0.0)
-    return f"{main:.2f} / {reward:.2f} / {sum(t.values()) - main - reward:.2f} s"
+    main, io = t.get("MainThread", 0.0), t.get("zmq-io", 0.0)
+    reward = t.get("reward-dispatcher", 0.0) + t.get("reward-service", 0.0)
+    return f"{main:.2f} / {reward:.2f} / {io:.2f} / {sum(t.values()) - main - reward - io:.2f} s"
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float:

@@ -1,15 +1,16 @@
 """The coordinator channel: rank 0 drives rollout engines led by other ranks.
 
-Rank 0 runs the scheduler. An engine whose leader is another rank is reached
-through a ``RemoteEngine`` proxy (a ``RolloutEngine`` like any other) that
-talks over ZeroMQ REQ/REP to an ``EngineServer`` on the leader. The server
-keeps stepping its engine whenever it has work and answers messages between
-steps, so remote engines decode concurrently with rank 0's own engine. Once
-the coordinator gave it a ``Bell`` address, the server pushes each batch of
-completions to rank 0 as it finishes (PUSH/PULL, one socket on rank 0 for all
-engines): the coordinator neither polls engines nor waits on each in turn, and
-sleeps on that one socket. Its cost follows the completions, not the number
-of engines or the seconds a round lasts (``bench/bench_control.py``).
+Rank 0 runs the scheduler. Each engine runs its share of a round as a ``GroupRace``
+(scheduler/group_race.py): the prompt groups placed on it, raced and scored where the engine is.
+An engine whose leader is another rank runs its race inside an ``EngineServer`` on that leader,
+scored by the reward pool of the leader's node, and rank 0 holds a ``RemoteRace`` handle that
+talks ZeroMQ REQ/REP to it: a launch of the groups placed there, the end of the round, a
+hand-off's retire, stats. The server keeps stepping its engine whenever it has work and answers
+between steps, so remote engines decode concurrently with rank 0's own engine; what its race has
+to tell (a group complete, and in a round that may hand off, each response generated) it pushes
+to rank 0's ``Bell`` (PUSH/PULL, one socket on rank 0 for all engines). So rank 0 neither polls
+engines nor hears of each response: its cost follows the prompts of a round, not their responses,
+the engines or the seconds a round lasts (``bench/bench_control.py``).
 
 In long rounds the coordinator also feeds finished prompt groups to ranks
 handed to the stream trainer (``GroupFeed`` → ``GroupInbox``, PUSH/PULL).
@@ -38,8 +39,10 @@ import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollpacker.rollout.engine import (MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RequestError,
-                                       RolloutEngine)
+from rollpacker.rollout.engine import EngineStats, RequestError, RolloutEngine
+from rollpacker.scheduler.clock import Clock, RealClock
+from rollpacker.scheduler.group_race import GroupLaunch, GroupRace, RaceNews, RaceReport
+from rollpacker.scheduler.protocols import RewardSink
 from rollpacker.wakeup import Wakeup
 
 _STOP = "__stop_serving__"
@@ -47,9 +50,15 @@ ROUND_END = "round_end"  # why a server stops: the round is over ...
 TO_TRAINING = "to_training"  # ... or its ranks were handed to the stream trainer mid-round
 
 
-# A dead process's connections close at once; a node that drops off the network is noticed by
-# ZeroMQ's heartbeats within the timeout.
-_HEARTBEAT_IVL_MS, _HEARTBEAT_TIMEOUT_MS = 10_000, 20_000
+# A dead process's connections close at once. A node that drops off the network sends nothing, so
+# the kernel probes an idle connection (TCP keepalive: after 10 s idle, every 5 s, 3 misses) and
+# drops it within about 25 s, which the socket's monitor reports like a hang-up. Unlike ZeroMQ's
+# own heartbeats, the probes never reach a process: at 512 engines those were a few hundred
+# messages a second on rank 0's I/O thread.
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTVL_S, _KEEPALIVE_CNT = 10, 5, 3
+_KEEPALIVE = ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, _KEEPALIVE_IDLE_S),
+              (zmq.TCP_KEEPALIVE_INTVL, _KEEPALIVE_INTVL_S), (zmq.TCP_KEEPALIVE_CNT, _KEEPALIVE_CNT))
+SILENT_PEER_S = _KEEPALIVE_IDLE_S + _KEEPALIVE_INTVL_S * _KEEPALIVE_CNT  # a vanished node is noticed within this
 
 
 _CONTEXT: zmq.Context | None = None
@@ -80,14 +89,21 @@ class _Channel:
     def __init__(self, kind: int, peer: str):
         self.sock = _context().socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        for option, value in _KEEPALIVE:
+            self.sock.setsockopt(option, value)
         self.peer = peer
         self._lost: str | None = None  # the endpoint that hung up, once one has
         self._hangups = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._hangups, zmq.POLLIN)
+
+    def also_wake_on(self, fd: int) -> None:
+        """``ready`` also returns (False) when ``fd`` turns readable: a waiter's other news."""
+        self._poller.register(fd, zmq.POLLIN)
+
+    def stop_waking_on(self, fd: int) -> None:
+        self._poller.unregister(fd)
 
     def ready(self, timeout_ms: int | None) -> bool:
         """Whether a message waits (within ``timeout_ms``; None: until one does). Raises
@@ -100,6 +116,13 @@ class _Channel:
         if self._lost:
             raise PeerLostError(f"{self.peer} hung up ({self._lost}): its process died or its node left the job")
         return False
+
+    def check_alive(self) -> None:
+        """Raises ``PeerLostError`` if a peer has hung up; reads no message."""
+        if not self._lost and self._hangups.poll(0):
+            self._lost = recv_monitor_message(self._hangups)["endpoint"].decode()
+        if self._lost:
+            raise PeerLostError(f"{self.peer} hung up ({self._lost}): its process died or its node left the job")
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -144,77 +167,112 @@ def _bind(sock: zmq.Socket, offset: int) -> int:
     return port
 
 
-class EngineServer:
-    """Serves this rank's engine of the current round to the coordinator.
+class _AlignedClock:
+    """This process's monotonic clock, shifted onto the coordinator's as its launch message read it:
+    a race's times then need no translation on rank 0 (off by the message's one-way latency)."""
 
-    The socket is bound once per rank; each rollout round calls ``serve``
-    with the engine this rank leads in that round's layout.
+    def __init__(self, coordinator_now: float) -> None:
+        self.offset = coordinator_now - time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class EngineServer:
+    """Serves this rank's engine of the current round to the coordinator: the engine's share of
+    the round runs here, as a ``GroupRace`` scored by this node's reward pool, and what it has to
+    tell is pushed to the coordinator's bell.
+
+    The socket is bound once per rank; each rollout round calls ``serve`` with the engine this
+    rank leads in that round's layout. ``wakeup``: what a score wakes (one may serve many
+    servers multiplexed in one process); by default the server's own.
     """
 
-    def __init__(self):
+    def __init__(self, wakeup: Wakeup | None = None):
         self._channel = _Channel(zmq.REP, "the coordinator (rank 0)")
         self.port = _bind(self._channel.sock, 0)
-        self._done: list[Completion] = []  # finished, not yet pushed or polled
-        # pushed this round, by request id: an evict still hands them back (a push may cross it)
-        self._pushed: dict[str, Completion] = {}
-        self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell, once it asked for one
-        self._bell_address, self._tag = "", b""
+        self._own_wakeup = wakeup is None
+        self.wakeup = Wakeup() if wakeup is None else wakeup
+        self._channel.also_wake_on(self.wakeup.fd)
+        self._engine: RolloutEngine | None = None
+        self._reward: RewardSink | None = None
+        self._race: GroupRace | None = None
+        self._backlog: list[RaceNews] = []  # news not yet pushed (the bell's socket was full)
+        self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell
+        self._bell_address, self._tag, self._index, self._progress = "", b"", 0, False
 
-    def serve(self, engine: RolloutEngine) -> str:
-        """Step ``engine`` whenever it has work, answer messages between steps, until told to
-        stop; returns the reason the coordinator gave (``ROUND_END`` or ``TO_TRAINING``)."""
-        while True:
-            busy = bool(engine.active_request_ids())
-            if self._channel.ready(0 if busy else 50) and (reason := self.answer(engine)) is not None:
-                return reason
-            if busy or self._done:  # _done: a push the bell's full socket refused, tried again
-                self.collect(engine)
+    def serve(self, engine: RolloutEngine, reward: RewardSink, wait_s: float = 0.005) -> str:
+        """Run the race the coordinator hands ``engine`` this round (scored by ``reward``), answering
+        its messages between engine steps, until the race ends (``ROUND_END``), retires to the stream
+        trainer (``TO_TRAINING``) or the coordinator stops the server without one. The loop sleeps until a message, a score or (an engine
+        with a ``ready_fd``) a completion comes; an engine that must be polled is stepped while it
+        generates, each step waiting up to ``wait_s`` for a completion (a message waits that long
+        at most)."""
+        self.bind(engine, reward)
+        ready = engine.ready_fd()
+        if ready is not None:
+            self._channel.also_wake_on(ready)
+        try:
+            while True:
+                polled = ready is None and self._race is not None and self._race.generating
+                # with news the bell's full socket refused, try again soon
+                timeout = 0 if polled else 50 if self._backlog else None
+                if self._channel.ready(timeout) and (reason := self.answer()) is not None:
+                    return reason
+                self.advance(wait_s if polled else 0.0)
+        finally:
+            if ready is not None:
+                self._channel.stop_waking_on(ready)
+
+    def bind(self, engine: RolloutEngine, reward: RewardSink) -> None:
+        """The engine (and its reward sink) the next messages are about."""
+        self._engine, self._reward = engine, reward
 
     @property
     def socket(self) -> zmq.Socket:
         """The coordinator's requests arrive here (one process may multiplex many servers)."""
         return self._channel.sock
 
-    def answer(self, engine: RolloutEngine) -> str | None:
-        """Answer the request waiting on ``socket``; the reason the coordinator gave if it was a stop."""
+    def answer(self) -> str | None:
+        """Answer the request waiting on ``socket``; why serving ends, if it does: the race's end
+        (``ROUND_END``), its retire (``TO_TRAINING``) or a stop with its reason."""
         method, args = self._channel.sock.recv_pyobj()
-        if method == _STOP:
-            self._channel.sock.send_pyobj(("ok", None))
+        reply = ("ok", None) if method == _STOP else self._handle(method, args)
+        self._channel.sock.send_pyobj(reply)
+        ends = {_STOP: args[0] if args else ROUND_END, "end": ROUND_END, "retire": TO_TRAINING}.get(method)
+        if ends is not None and reply[0] == "ok":
             # whatever the round left here must not reach the next one: a request id comes back when
-            # its deferred prompt is launched again, and a response sampled under older weights
-            # would pass for the new one's (pushes already on their way carry the round's tag,
-            # which the bell no longer accepts)
-            self._tag, self._done, self._pushed = b"", [], {}
-            return args[0]
-        self._channel.sock.send_pyobj(self._handle(engine, method, args))
+            # its deferred prompt is launched again (pushes already on their way carry the round's
+            # tag, which the bell no longer accepts)
+            self._race, self._tag, self._backlog = None, b"", []
+            return ends
         self._push()
         return None
 
-    def collect(self, engine: RolloutEngine) -> None:
-        """Advance ``engine``; what finished goes to the coordinator's bell (or waits for its poll)."""
-        self._done.extend(engine.poll(0.0))
+    def advance(self, wait_s: float = 0.0) -> None:
+        """Step the race (the engine may wait up to ``wait_s`` for a completion); what it has to
+        tell goes to the coordinator's bell."""
+        if self._own_wakeup:
+            self.wakeup.drain()  # before the race looks at the scores its wakers handed over
+        if self._race is not None:
+            news = self._race.step(wait_s)
+            if news.done or (self._progress and news.finished):
+                self._backlog.append(news)
         self._push()
 
-    def _take(self, ids: set[str]) -> list[Completion]:
-        """The finished completions of ``ids`` not yet pushed or polled, removed from the buffer."""
-        taken = [c for c in self._done if c.request_id in ids]
-        self._done = [c for c in self._done if c.request_id not in ids]
-        return taken
-
     def _push(self) -> None:
-        """What finished, to the bell in one message. Never blocks the engine's loop: with the
-        coordinator's socket full or gone, it waits here for the next try (or a poll)."""
-        if not (self._done and self._tag):
+        """The news, to the bell in one message. Never blocks the engine's loop: with the
+        coordinator's socket full it waits here for the next try."""
+        if not (self._backlog and self._tag):
             return
         try:
-            self._bell.send_multipart([self._tag, pickle.dumps(self._done, pickle.HIGHEST_PROTOCOL)],
+            self._bell.send_multipart([self._tag, pickle.dumps((self._index, self._backlog), pickle.HIGHEST_PROTOCOL)],
                                       zmq.NOBLOCK)
         except zmq.Again:
             return
-        self._pushed.update((c.request_id, c) for c in self._done)
-        self._done = []
+        self._backlog = []
 
-    def _watch(self, address: str, tag: bytes) -> None:
+    def _begin_round(self, address: str, tag: bytes, index: int, progress: bool, coordinator_now: float) -> None:
         if address != self._bell_address:
             if self._bell is not None:
                 self._bell.close(linger=0)
@@ -222,45 +280,42 @@ class EngineServer:
             self._bell.setsockopt(zmq.LINGER, 0)
             self._bell.connect(address)
             self._bell_address = address
-        self._tag, self._pushed = tag, {}
+        self._tag, self._index, self._progress, self._backlog = tag, index, progress, []
+        self._race = GroupRace(self._engine, self._reward, _AlignedClock(coordinator_now), wake=self.wakeup.wake)
 
     def close(self) -> None:
         if self._bell is not None:
             self._bell.close(linger=0)
+        if self._own_wakeup:
+            self.wakeup.close()
         self._channel.close()
 
-    def _handle(self, engine: RolloutEngine, method: str, args: tuple) -> tuple[str, Any]:
+    def _handle(self, method: str, args: tuple) -> tuple[str, Any]:
         try:
-            if method == "poll":  # what no bell took (none given yet, or its socket was full)
-                out, self._done = self._done, []
-                return "ok", out
-            if method == "submit":  # the round's first also says where to push
-                requests, watch = args
-                if watch is not None:
-                    self._watch(*watch)
-                engine.submit(requests)
+            if method == "launch":  # a round's first also says where to push, and the coordinator's time
+                groups, round_ = args
+                if round_ is not None:
+                    self._begin_round(*round_)
+                self._race.launch(groups)
                 return "ok", None
-            if method == "abort":  # an aborted request is never returned, even one already finished here
-                ids = set(args[0])
-                self._take(ids)
-                for rid in ids:
-                    self._pushed.pop(rid, None)
-                engine.abort(args[0])
-                return "ok", None
-            if method == "evict":  # finished ones are handed back too, pushed or not: a push may cross it
-                ids = set(args[0])
-                handed = self._take(ids) + [self._pushed.pop(rid) for rid in ids if rid in self._pushed]
-                return "ok", handed + engine.evict(ids - {c.request_id for c in handed})
-            return "ok", getattr(engine, method)(*args)
+            if method == "end":  # a server that got no group this round has nothing to tell
+                return "ok", self._race.end() if self._race is not None else RaceReport()
+            if method == "retire":  # its groups go back, with the news the bell could not take
+                states, report = self._race.retire() if self._race is not None else ([], RaceReport())
+                report.undelivered = self._backlog
+                return "ok", (states, report)
+            if method == "stats":
+                return "ok", self._engine.stats()
+            raise ValueError(f"unknown method {method!r}")
         except RequestError as exc:
-            return "request_error", str(exc)
+            return "request_error", (str(exc), exc.request_ids)
         except Exception as exc:  # surfaced on the coordinator, with the engine's rank
             return "error", f"{type(exc).__name__}: {exc}"
 
 
 class Bell:
-    """Rank 0's inbox of completions: the server of a ``RemoteEngine`` made with it pushes what its
-    engine finished, tagged with the bell's round. Another thread of rank 0
+    """Rank 0's inbox of the remote races' news: the server of each ``RemoteRace`` made with it
+    pushes what its race has to tell, tagged with the bell's round. Another thread of rank 0
     (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps until
     something happened, never on a timer."""
 
@@ -271,17 +326,29 @@ class Bell:
         # pushes of an earlier round (sent before its servers were stopped) are dropped: a deferred
         # prompt's request ids come back in a later round, and a stale response would pass for its own
         self.round = 0
+        self.progress = False  # this round's servers also push each response generated
         self.received = 0  # pushes taken, all rounds
         self._wakeup = Wakeup()
         self.woken = False  # the last ``collect`` was woken
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wakeup.fd, zmq.POLLIN)
+        self._watched: list[int] = []
 
-    def new_round(self) -> None:
+    def watch(self, fds: Sequence[int]) -> None:
+        """A wait in ``collect`` also ends when one of ``fds`` turns readable (the ready descriptors
+        of the engines rank 0 races itself); replaces the last call's."""
+        for fd in self._watched:
+            self._poller.unregister(fd)
+        self._watched = list(fds)
+        for fd in self._watched:
+            self._poller.register(fd, zmq.POLLIN)
+
+    def new_round(self, progress: bool = False) -> None:
         """From now on only pushes tagged with the next round count (proxies tell their servers at
-        their next submit)."""
+        their first launch); ``progress``: the servers push each response generated too."""
         self.round += 1
+        self.progress = progress
 
     @property
     def tag(self) -> bytes:
@@ -299,118 +366,115 @@ class Bell:
         """Make a waiting (or the next) ``collect`` return; safe from any thread, and after ``close``."""
         self._wakeup.wake()
 
-    def collect(self, timeout_s: float = 0.0) -> list[Completion]:
-        """The completions pushed this round since the last call; when none came and nothing woke
-        it, waits up to ``timeout_s`` for either. ``woken`` then says whether a ``wake`` came: its
-        waker left something to look at before the next wait."""
-        out: list[Completion] = []
+    def collect(self, timeout_s: float = 0.0) -> list[tuple[int, RaceNews]]:
+        """The news pushed this round since the last call, as (engine index, news); when none had
+        come, waits up to ``timeout_s`` for some, a ``wake`` (``woken`` then says which) or a watched
+        descriptor."""
+        out = self._take()
+        self.woken = False
+        if out or timeout_s <= 0:
+            return out
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         self.woken = self._wakeup.fd in events
         if self.woken:
             self._wakeup.drain()
-        if self.sock in events:
-            current = self.tag
-            while True:
-                try:
-                    tag, payload = self.sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.received += 1
-                if tag == current:
-                    out += pickle.loads(payload)
-        return out
+        return self._take() if self.sock in events else []
+
+    def _take(self) -> list[tuple[int, RaceNews]]:
+        out: list[tuple[int, RaceNews]] = []
+        current = self.tag
+        while True:
+            try:
+                tag, payload = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            self.received += 1
+            if tag.bytes == current:
+                index, news = pickle.loads(payload.buffer)
+                out += [(index, n) for n in news]
 
     def close(self) -> None:
         self.sock.close(linger=0)
         self._wakeup.close()
 
 
-class RemoteEngine(RolloutEngine):
-    """Proxy for an engine served by another rank's ``EngineServer``.
+class RemoteRace:
+    """Rank 0's handle on the race that another rank's ``EngineServer`` runs for its engine; its
+    news comes through ``bell`` (``EngineDriver`` takes it there)."""
 
-    With a ``bell`` its server pushes completions to the bell as they finish: ``EngineDriver`` then
-    takes them from there instead of polling."""
-
-    def __init__(self, endpoint: Endpoint, engine_id: int, timeout_s: float = 600.0, bell: Bell | None = None):
-        self.endpoint, self.engine_id = endpoint, engine_id
+    def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell, *, clock: Clock = RealClock(),
+                 timeout_s: float = 600.0):
+        self.endpoint, self.engine_id, self.bell, self._clock = endpoint, engine_id, bell, clock
         self._timeout_ms = int(timeout_s * 1000)
         self._channel = _Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
         self._channel.sock.connect(endpoint.address)
-        self.bell = bell
-        self._watched: int | None = None  # the bell's round the server pushes for (told at a submit)
+        self._round: int | None = None  # the bell's round the server pushes for (told at a launch)
+        self._bell_address = bell.address_for(endpoint) if bell is not None else ""
 
     def begin(self, method: str, *args: Any) -> Callable[[], Any]:
-        """Send a call; the returned function waits for its reply (``scheduler.protocols.Pipelined``)."""
-        if method == "submit":
-            args = (*args, self._watch_once())
-        elif method == _STOP:  # the server forgets the bell with the round
-            self._watched = None
+        """Send a call; the returned function waits for its reply (``scheduler.protocols.RemoteRace``)."""
+        if method == "launch":
+            args = (*args, self._round_once())
+        elif method == _STOP:  # the server forgets the round
+            self._round = None
         self._channel.sock.send_pyobj((method, args))
         return functools.partial(self._reply, method)
 
     def _call(self, method: str, *args: Any) -> Any:
         return self.begin(method, *args)()
 
-    def _watch_once(self) -> tuple[str, bytes] | None:
-        """Where the server should push and with what tag, with the round's first submit."""
-        if self.bell is None or self._watched == self.bell.round:
+    def _round_once(self) -> tuple | None:
+        """Where the server should push, with what tag, as which engine, whether it pushes every
+        response generated, and this clock's time: with the round's first launch."""
+        if self._round == self.bell.round:
             return None
-        self._watched = self.bell.round
-        return self.bell.address_for(self.endpoint), self.bell.tag
+        self._round = self.bell.round
+        return self._bell_address, self.bell.tag, self.engine_id, self.bell.progress, self._clock.now()
 
     def _reply(self, method: str) -> Any:
-        if not self._channel.ready(self._timeout_ms):
-            raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}")
-        status, value = self._channel.sock.recv_pyobj()
+        try:  # a pipelined call's reply is often here already: no poll for it
+            status, value = self._channel.sock.recv_pyobj(zmq.NOBLOCK)
+        except zmq.Again:
+            if not self._channel.ready(self._timeout_ms):
+                raise TimeoutError(f"engine {self.engine_id} on rank {self.endpoint.rank} did not answer {method}")
+            status, value = self._channel.sock.recv_pyobj()
         if status == "request_error":
-            raise RequestError(value)
+            raise RequestError(*value)
         if status == "error":
             raise RuntimeError(f"engine {self.engine_id} on rank {self.endpoint.rank}: {method} failed: {value}")
         return value
 
-    def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        self._call("submit", list(requests))
+    def launch(self, groups: Sequence[GroupLaunch]) -> None:
+        self._call("launch", list(groups))
 
-    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
-        deadline = time.monotonic() + (timeout or 0.0)
-        while True:
-            done = self._call("poll")
-            if done or time.monotonic() >= deadline:
-                return done
-            time.sleep(0.002)
+    def end(self) -> RaceReport:
+        """The round is over: the server ends its race, reports it and stops serving (``ROUND_END``)."""
+        self._round = None
+        return self._call("end")
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        self._call("abort", list(request_ids))
-
-    def evict(self, request_ids: Iterable[str]) -> list[Completion]:
-        return self._call("evict", list(request_ids))
-
-    def active_request_ids(self) -> list[str]:
-        return self._call("active_request_ids")
-
-    def update_weights(self, named_tensors):
-        raise NotImplementedError("weights reach every engine rank through the training layout's weight sync, "
-                                  "not through the coordinator channel")
-
-    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self._call("release_memory", list(tags))
-
-    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self._call("resume_memory", list(tags))
+    def retire(self) -> tuple[list[GroupLaunch], RaceReport]:
+        """The engine goes to the stream trainer: its open groups come back, its server stops serving
+        (``TO_TRAINING``)."""
+        self._round = None
+        return self._call("retire")
 
     def stats(self) -> EngineStats:
         return self._call("stats")
 
+    def check_alive(self) -> None:
+        """Raises ``PeerLostError`` if the server's process has hung up (no message is sent)."""
+        self._channel.check_alive()
+
     def stop_serving(self, reason: str = ROUND_END) -> None:
-        """End the server's loop: its rank returns to the SPMD program with ``reason``."""
+        """End the server's loop without a race to end: its rank returns to the SPMD program with ``reason``."""
         self._call(_STOP, reason)
 
     def shutdown(self) -> None:
         self._channel.close()
 
 
-def stop_serving(remotes: Sequence[RemoteEngine], reason: str = ROUND_END) -> None:
-    """``RemoteEngine.stop_serving`` on each, every server told before any reply is awaited."""
+def stop_serving(remotes: Sequence[RemoteRace], reason: str = ROUND_END) -> None:
+    """``RemoteRace.stop_serving`` on each, every server told before any reply is awaited."""
     for reply in [remote.begin(_STOP, reason) for remote in remotes]:
         reply()
 

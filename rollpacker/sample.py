@@ -8,7 +8,9 @@ prompt is lost or trained twice.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -53,3 +55,95 @@ class Sample:
 
     def replace(self, **changes: Any) -> "Sample":
         return dataclasses.replace(self, **changes)
+
+    def __reduce__(self):
+        # Between processes (an engine's race to rank 0, rank 0 to the trainers) the tokens travel
+        # packed: a Python object per token, made on unpickling, was the largest cost rank 0 paid per
+        # response. A completion made in another process arrives packed already (``Completion``).
+        state = {**self.__dict__, "response_ids": packed("i", self.response_ids),
+                 "rollout_logprobs": packed("d", self.rollout_logprobs)}
+        return _blank_sample, (), state
+
+
+_PACKED_FIELDS = ("response_index", "response_ids", "rollout_logprobs", "finish_reason", "reward", "correct",
+                  "reward_reason", "submitted_at", "finished_at", "scored_at", "advantage")
+
+
+class SampleGroup:
+    """One prompt's group of scored responses (GRPO's unit) as it travels: from the engine that raced
+    it to the coordinator, on to the trainers. Between processes it crosses packed, its samples one
+    bytes object with their tokens as arrays, and is unpacked only where its samples are read: the
+    coordinator, which forwards groups, makes no object per sample. What the scheduler reads of a
+    group travels beside it: its rewards, response lengths and slowest scoring."""
+
+    def __init__(self, prompt: Prompt | None, samples: list[Sample]):
+        self._prompt, self._samples, self._packed = prompt, samples, None
+        self._rewards = self._lengths = ()
+        self._slowest_score = 0.0
+
+    @property
+    def prompt(self) -> Prompt | None:
+        return self._prompt
+
+    @prompt.setter
+    def prompt(self, prompt: Prompt) -> None:
+        """The coordinator's own prompt (a group crosses to it without one: it launched the prompt)."""
+        self._prompt = prompt
+        for s in self._samples or ():
+            s.prompt = prompt
+
+    @property
+    def samples(self) -> list[Sample]:
+        if self._samples is None:
+            self._samples = [Sample(self._prompt, *fields) for fields in pickle.loads(self._packed)]
+        return self._samples
+
+    @property
+    def rewards(self) -> tuple[float | None, ...]:
+        return tuple(s.reward for s in self._samples) if self._samples is not None else self._rewards
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(len(s.response_ids) for s in self._samples) if self._samples is not None else self._lengths
+
+    @property
+    def slowest_score(self) -> float:
+        """The longest a response waited for its score, seconds (0 where none was scored)."""
+        if self._samples is None:
+            return self._slowest_score
+        return max(((s.scored_at or 0.0) - (s.finished_at or 0.0) for s in self._samples if s.scored_at is not None),
+                   default=0.0)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def stripped(self) -> "SampleGroup":
+        """The same group without its prompt, for the coordinator that launched it."""
+        return _unpacked_group(None, self.rewards, self.lengths, self.slowest_score, self._pack())
+
+    def _pack(self) -> bytes:
+        if self._packed is None or self._samples is not None:  # unpacked samples may have changed
+            self._packed = pickle.dumps([tuple(packed("i", v) if f == "response_ids" else packed("d", v)
+                                               if f == "rollout_logprobs" else v
+                                               for f, v in zip(_PACKED_FIELDS, map(s.__dict__.get, _PACKED_FIELDS)))
+                                         for s in self._samples], pickle.HIGHEST_PROTOCOL)
+        return self._packed
+
+    def __reduce__(self):
+        return _unpacked_group, (self._prompt, self.rewards, self.lengths, self.slowest_score, self._pack())
+
+
+def _unpacked_group(prompt: Prompt | None, rewards: tuple, lengths: tuple, slowest_score: float,
+                    data: bytes) -> SampleGroup:
+    group = SampleGroup(prompt, None)
+    group._packed, group._rewards, group._lengths, group._slowest_score = data, rewards, lengths, slowest_score
+    return group
+
+
+def _blank_sample() -> Sample:
+    return Sample.__new__(Sample)
+
+
+def packed(typecode: str, values: Sequence) -> array.array:
+    """``values`` as a packed array of ``typecode`` (itself, if it is one already)."""
+    return values if isinstance(values, array.array) and values.typecode == typecode else array.array(typecode, values)

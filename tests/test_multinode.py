@@ -28,7 +28,7 @@ import pytest
 from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError, to_dict
-from rollpacker.coordinator import _HEARTBEAT_TIMEOUT_MS
+from rollpacker.coordinator import SILENT_PEER_S
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.runtime.preflight import fit_to_nodes, preflight
 from rollpacker.testing import REPO_ROOT
@@ -122,7 +122,6 @@ STEPS = ["run.steps=6", "run.save_every=1", "run.keep_checkpoints=10", "run.veri
          # no profile rows: the planner starts long rounds at long_tp=2, one TP-2 engine per node
          "scheduler.planner.profile=[]"]
 STOP_PROGRAM = REPO_ROOT / "tests" / "dist" / "train_stop_at.py"  # rollpacker.train, one rank stopping itself
-HEARTBEAT_TIMEOUT_S = _HEARTBEAT_TIMEOUT_MS / 1000
 
 
 def _two_by_two(run_dir: Path, logs: Path, stops: dict[int, tuple[str, int, int]] | None = None) -> Cluster:
@@ -175,7 +174,7 @@ def test_two_nodes_regroup_stream_survive_a_worker_then_a_node_and_resume_exactl
         first.nodes[1].kill()
         os.kill(restarted[1][0], signal.SIGCONT)
         first.wait_until(lambda: not first.nodes[0].workers(), "node 0's ranks failing",
-                         timeout=HEARTBEAT_TIMEOUT_S * 4, agents_may_exit=True)
+                         timeout=SILENT_PEER_S * 4, agents_may_exit=True)
         ranks_failed = time.monotonic() - killed
         # its agent now waits up to its rendezvous join_timeout for a node to take node 1's place
         # (under Slurm, srun --kill-on-bad-exit ends it at once); the with block ends it here
@@ -183,7 +182,7 @@ def test_two_nodes_regroup_stream_survive_a_worker_then_a_node_and_resume_exactl
     lost = re.search(r"PeerLostError: rank [23], serving engine \d+, hung up \(tcp://127\.0\.0\.2:", survivor)
     print(f"node 1 lost: node 0's ranks failed after {ranks_failed:.1f}s; rank 0: {lost and lost.group(0)}")
     assert lost, survivor[-6000:]
-    assert ranks_failed < HEARTBEAT_TIMEOUT_S  # at once: no heartbeat needed, let alone a collective's timeout
+    assert ranks_failed < SILENT_PEER_S  # at once: no keepalive probe needed, let alone a collective's timeout
     assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5] and _latest(run_dir) == 5
 
     # the same command, relaunched as a new job (new rendezvous port and id), without a stop
@@ -205,8 +204,10 @@ def test_two_nodes_regroup_stream_survive_a_worker_then_a_node_and_resume_exactl
     assert [r["queue_length"] for r in rows] == [1, 2, 3, 4, 0, 1]
     assert all(r["groups"] == 4 and r["responses_kept"] == 16 for r in rows)
     assert all(r["sync/max_abs_diff"] == 0.0 for r in rows)  # every step's engines hold the trainer's weights
-    long = rows[4]  # node 1's engine left mid-round for the stream trainer; its requests went on on node 0's
-    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["streamed_groups"] > 0 and long["migrated_requests"] > 0
+    # node 1's engine left mid-round for the stream trainer; what it still ran went on on node 0's (a
+    # prompt's responses run on one engine: its groups may all be done by then, nothing to migrate)
+    long = rows[4]
+    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["streamed_groups"] > 0
 
 
 # --- SGLang, 2 nodes x 1 rank --------------------------------------------------------------------
@@ -267,8 +268,8 @@ def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sg
     for r in rows:  # the weight sync reached both engines: the trainer's log-probs agree with theirs
         assert r["generated_tokens"] > 0 and r["sync/bytes"] > 0 and r["responses_kept"] == 16
         assert r["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, r
-    long = rows[-1]  # node 1's engine left mid-round; its requests went on on node 0's
-    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["migrated_requests"] > 0 and long["streamed_groups"] > 0
+    long = rows[-1]  # node 1's engine left mid-round; what it still ran went on on node 0's
+    assert 0.2 <= long["handoff_fraction"] <= 0.5 and long["streamed_groups"] > 0
     assert long["groups"] == 4
     assert [e["step"] for e in evals] == [2, SGLANG_STEPS]
     for e in evals:

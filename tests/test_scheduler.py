@@ -24,6 +24,7 @@ from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.group_race import GroupLaunch
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.race import RoundRunner
 from rollpacker.scheduler.round import RoundPlan
@@ -222,7 +223,7 @@ def test_groups_stream_to_callback_in_completion_order():
     seen = []
     h = Harness(p0=4, r0=2, latency=lambda s: 0.05)
     _, result = h.round(on_group_done=lambda g: seen.append((h.clock.now(), g)))
-    assert [g for _, g in seen] == result.groups
+    assert [g for _, g in seen] == result.kept  # the very groups, still in their travelling form
     times = [t for t, _ in seen]
     assert times == sorted(times) and times[0] < result.stats.rollout_seconds  # streamed during the round
 
@@ -308,7 +309,7 @@ def test_reward_after_rollout_mode():
     assert_batch(result, 4, 2, h.aborted())
     assert result.stats.reward_seconds == pytest.approx(0.5)
     assert all(s.scored_at == pytest.approx(result.stats.round_seconds) for s in result.samples)
-    assert seen == result.groups
+    assert seen == result.kept
     # every response finishes in the same poll: still exactly P0 groups, the rest deferred
     h = Harness(p0=4, r0=2, async_reward=False, trace=[PromptLengths(str(i), (50,) * 3) for i in range(10)])
     _, result = h.round()
@@ -327,19 +328,34 @@ def test_equal_lengths_give_no_speedup():
     assert seconds["baseline"] / seconds["tail_batching"] == pytest.approx(1.0, abs=0.1)
 
 
-def test_dispatch_balances_load_and_spreads_a_prompt():
+def test_dispatch_places_each_group_whole_on_the_least_loaded_engine():
+    """A group's responses all go to one engine (it races them there); groups go where the fewest
+    requests are outstanding, so equal work finishes together."""
     clock = VirtualClock()
     perf = PerfModel(TINY, H800, 1)
-    engines = [SimEngine(perf, clock, lambda req: 10, engine_id=i) for i in range(3)]
-    driver = EngineDriver(engines, clock)
+    engines = [RecordingEngine(perf, clock, lambda req: 10, engine_id=i) for i in range(3)]
+    driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
     params = SamplingParams(max_new_tokens=64)
-    driver.submit([GenerationRequest(f"p0e0r{r}", [1] * (8 + r), params) for r in range(7)])
-    loads = sorted(len(e.active_request_ids()) for e in engines)
-    assert loads == [2, 2, 3]
-    while driver.outstanding:
-        done = driver.poll()
-        assert all(c.finish_reason == "stop" and len(c.output_ids) == 10 for c in done)
-    assert driver.bubble_fraction() < 0.01  # balanced engines finish together
+    sizes = [4, 4, 4, 2, 2, 2, 1]
+    groups = [GroupLaunch(k, Prompt(uid=k, input_ids=[1] * 8, data_source="t"), n, n, f"p{k}e0r", f"{k}:", params)
+              for k, n in enumerate(sizes)]
+    assert driver.launch(groups) == len(groups)
+    held = [{rid.split("r")[0] for rid in e.submitted} for e in engines]
+    assert sorted(len(e.submitted) for e in engines) == [6, 6, 7]  # 19 requests over 3 engines
+    assert sum(map(len, held)) == len(groups), "a group was split over engines"
+    done = []
+    while driver.open_groups:
+        for _, news in driver.poll():
+            done += news.done
+    driver.end()
+    assert sorted(d.key for d in done) == list(range(len(groups)))
+    assert all(d.group.lengths == (10,) * sizes[d.key] for d in done)
+    assert driver.bubble_fraction() < 0.2  # balanced engines finish close together
+    assert driver.counters() == (0, 10 * sum(sizes))
+    # a limit stops placing at the first group that fits nowhere
+    more = [GroupLaunch(10 + k, g.prompt, g.n, g.r0, f"q{k}r", g.seed_prefix, params) for k, g in enumerate(groups)]
+    driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
+    assert driver.launch(more, limit=5) == 3 and driver.outstanding == 12
 
 
 def test_two_phase_api_guards():
@@ -405,14 +421,25 @@ def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns
     plan = RoundPlan(index=0, kind=RoundKind.LONG, tp=1, prompts=prompts, n_responses=4, target_groups=8)
     lengths = lambda r: 64 if parse_request_id(r.request_id)[0] < 5 else 2000  # noqa: E731
     engines = [SimEngine(PerfModel(TINY, H800, 1), clock, lengths, engine_id=i) for i in range(2)]
-    driver, batches, released = EngineDriver(engines, clock), [], []
+    sink = SimRewardSink(clock)
+    driver, batches, released = EngineDriver(engines, clock, reward=sink, progress=True), [], []
     poll = driver.poll
-    driver.poll = lambda: batches.append(len(done := poll())) or done
+
+    def counted():
+        news = poll()
+        batches.append(sum(len(n.finished) for _, n in news))
+        return news
+
+    driver.poll = counted
     trigger = HandoffTrigger(HandoffPolicy(candidates=(1,), on_release=released.append), 32, 2)
-    result = RoundRunner(plan, r0=4, driver=driver, reward=SimRewardSink(clock), clock=clock,
+    result = RoundRunner(plan, r0=4, driver=driver, reward=sink, clock=clock,
                          sampling=SamplingParams(max_new_tokens=4096), async_reward=True, keeps=lambda g: True,
                          replacement=lambda: None, on_group_done=None, handoff=trigger).run()
-    print(f"completions per poll: {[n for n in batches if n]}; handed off at {result.stats.handoff_fraction:.2f}")
+    print(f"responses generated per poll: {[n for n in batches if n]}; "
+          f"handed off at {result.stats.handoff_fraction:.2f}")
     assert max(batches) == 20  # every short response in one poll: 0 -> 62% of the round done
     assert released == [[1]] and 0.2 <= result.stats.handoff_fraction <= 0.5
-    assert result.stats.migrated_requests == 6 and len(result.samples) == 32
+    # groups alternate over the two engines: engine 1 held prompts 5 and 7, long, still generating
+    assert result.stats.migrated_requests == 8 and len(result.samples) == 32
+    assert sorted(p.uid for p in prompts if any(len(t.placements) == 2 for t in result.trace.requests
+                                                 if t.sample.prompt.uid == p.uid)) == [5, 7]

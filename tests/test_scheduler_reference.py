@@ -24,7 +24,7 @@ class ThreadSink:
     def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
         self.pool = pool
 
-    def submit(self, sample):
+    def submit(self, sample, *, key=None, adapt=True):
         return self.pool.submit(lambda: SimScore(float(len(sample.response_ids) % 2), None))
 
 

@@ -81,7 +81,11 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
     - ``stats()`` reports the engine's KV capacity (32768 here) and its load (L6: capacity was 0);
     - ``abort_all()`` then at once ``release_memory``/``resume_memory``: the release waits until sglang
       holds none of the aborted requests (L1: sglang's scheduler asserted an idle engine and
-      SIGQUIT the process), and greedy output afterwards still equals transformers."""
+      SIGQUIT the process), and greedy output afterwards still equals transformers;
+    - the engine's ready descriptor turns readable when a request finishes and a poll reads it empty
+      (its server sleeps on it instead of polling the engine host);
+    - requests evicted mid-decode and resubmitted with their tokens end as greedy requests that
+      never moved (a hand-off's migration)."""
     verdict = checked(engine_checks, "backend")
     assert_all_true(verdict)
     assert set(verdict) >= {"perturbation_changes_output", "under_torchrun_agent_store",
@@ -90,7 +94,8 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
                             "backend_greedy_after_update_matches_transformers",
                             "backend_raises_when_sglang_refuses", "stats_kv_capacity_is_the_engines",
                             "stats_report_engine_load", "release_after_abort_waits_for_idle",
-                            "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers"}
+                            "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers",
+                            "doorbell_rings_once_a_request_finishes", "evicted_then_resumed_equals_greedy"}
 
 
 def test_engine_hosts_on_real_engines(engine_checks):

@@ -45,11 +45,15 @@ def test_a_stale_sync_fails_the_sglang_runs_check(sglang_venv_python, tmp_path):
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", STALE,
            "--config", "configs/tiny-cpu.yaml", "rollout.backend=sglang", *FAST, "run.steps=2", "run.save_every=0",
            "run.wandb=disabled", "scheduler.planner.enabled=false", "rollout.tp=1",
-           "scheduler.mode=baseline", f"run.output_dir={tmp_path}", "run.name=stale", f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}"]
+           "scheduler.mode=baseline", f"run.output_dir={tmp_path}", "run.name=stale", f"rollout.sglang_base_port={free_base_port(1, 2, local_ranks=2)}",
+           # 8 prompts: a prompt's responses share an engine, and 4 groups of the confident tiny policy
+           # can all score alike, which leaves step 1 no update for a stale sync to miss
+           "scheduler.p0=8"]
     proc = run_in_venv(cmd, "stale-sync program on sglang", PROGRAM_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-8000:]
     rows = _rows(run_dir)
     print({s: (r["round"], r["train/logprob_mismatch_max"]) for s, r in rows.items()})
     assert [r["round"] for r in rows.values()] == ["baseline", "baseline"]
-    assert rows[1]["train/logprob_mismatch_max"] < MISMATCH_BOUND and rows[1]["responses_kept"] == 16
+    assert rows[1]["train/grad_norm"] > 0, "step 1 updated nothing: the control would prove nothing"
+    assert rows[1]["train/logprob_mismatch_max"] < MISMATCH_BOUND and rows[1]["responses_kept"] == 32
     assert rows[2]["train/logprob_mismatch_max"] > 10 * MISMATCH_BOUND

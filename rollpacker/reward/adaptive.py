@@ -22,6 +22,7 @@ class CodeTimeouts:
         self._fixed = cfg.code_fixed_timeout
         self._t_min, self._t_max, self._lambda = cfg.code_t_min, cfg.code_t_max, cfg.code_lambda
         self._anchors: dict[str, float] = {}
+        self._grown: set[str] = set()  # anchors observed here since the last ``take_grown``
         self._lock = threading.Lock()
 
     @staticmethod
@@ -41,11 +42,26 @@ class CodeTimeouts:
         with self._lock:
             for index, seconds in passed.items():
                 key = self.case_key(prompt_key, index)
-                self._anchors[key] = max(self._anchors.get(key, 0.0), seconds)
+                if seconds > self._anchors.get(key, -1.0):
+                    self._anchors[key] = seconds
+                    self._grown.add(key)
 
     def anchor(self, prompt_key: str, index: int) -> float | None:
         with self._lock:
             return self._anchors.get(self.case_key(prompt_key, index))
+
+    def take_grown(self) -> dict[str, float]:
+        """The anchors observed here that grew since the last call: what this pool tells the others."""
+        with self._lock:
+            grown = {k: self._anchors[k] for k in self._grown}
+            self._grown.clear()
+        return grown
+
+    def merge(self, anchors: dict[str, float]) -> None:
+        """Anchors another pool observed (``take_grown``): each case keeps the longer runtime."""
+        with self._lock:
+            for key, seconds in anchors.items():
+                self._anchors[key] = max(self._anchors.get(key, 0.0), float(seconds))
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:

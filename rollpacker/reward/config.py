@@ -9,7 +9,7 @@ from rollpacker.configlib import ConfigError
 
 @dataclass
 class RewardConfig:
-    num_workers: int = 2
+    num_workers: int = 2  # per pool; in training one pool per node, on its first rank, scores all its engines
     queue_size: int = 4096  # bounded submission queue: submit blocks when it is full
     start_method: Literal["forkserver", "spawn"] = "forkserver"  # never fork the trainer
     math_timeout: float = 5.0  # seconds per math sample

@@ -15,7 +15,6 @@ class PoolRewardSink:
     def __init__(self, pool: RewardPool):
         self.pool = pool
 
-    def submit(self, sample: Sample) -> Future:
+    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> Future:
         p = sample.prompt
-        # the adaptive code timeout keeps its anchors per prompt
-        return self.pool.submit(p.data_source, sample.response_ids, p.ground_truth, key=f"p{p.uid}")
+        return self.pool.submit(p.data_source, sample.response_ids, p.ground_truth, key=key, adapt=adapt)

@@ -14,12 +14,13 @@ event) and returns the requests that finished meanwhile.
 from __future__ import annotations
 
 import abc
-import array
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
+
+from rollpacker.sample import packed
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -112,12 +113,9 @@ class Completion:
         # Between processes (an engine's server to rank 0) the tokens travel, and stay, packed: a
         # Python object per token, made on unpickling or copying, was the largest cost rank 0 paid
         # per response. Logprobs stay float64, exactly as the engine reported them.
-        return Completion, (self.request_id, _packed("i", self.output_ids), _packed("d", self.logprobs),
+        return Completion, (self.request_id, packed("i", self.output_ids), packed("d", self.logprobs),
                             self.finish_reason, self.submitted_at, self.finished_at, self.engine_id)
 
-
-def _packed(typecode: str, values: Sequence) -> array.array:
-    return values if isinstance(values, array.array) and values.typecode == typecode else array.array(typecode, values)
 
 
 @dataclass
@@ -174,6 +172,12 @@ class RolloutEngine(abc.ABC):
         tokens generated so far and ``finish_reason == FINISH_EVICTED``. Resubmitting
         ``request.resumed_from(partial)`` elsewhere continues it (see ``GenerationRequest``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot hand back running requests")
+
+    def ready_fd(self) -> int | None:
+        """A descriptor that turns readable when a request has finished since the last ``poll`` (the
+        next ``poll`` reads it empty), so that a server can sleep on its engine beside its sockets
+        instead of polling it; None: the engine must be polled (it computes in ``poll``)."""
+        return None
 
     @abc.abstractmethod
     def active_request_ids(self) -> list[str]:

@@ -75,7 +75,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLANG_PIN, check_call, surface_for
 from rollpacker.rollout.sglang_args import cpu_engine_env, server_args
-from rollpacker.rollout.sglang_host import KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV, SGLangDriver
+from rollpacker.rollout.sglang_host import DOORBELL_ENV, KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV, SGLangDriver
 
 START_TIMEOUT_S = 900.0  # an engine host's start: sglang loads the model and sizes its KV pool
 CONNECT_TIMEOUT_S = 120.0  # the host's Python start-up, up to its listening socket
@@ -145,9 +145,16 @@ class _ProcessHost:
         self.engine_id = engine_id
         self._dir = tempfile.mkdtemp(prefix=f"rollpacker-sglang-{engine_id}-")
         address, key = os.path.join(self._dir, "host.sock"), os.urandom(32)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollpacker.rollout.sglang_host", address],
-                                     env={**env, KEY_ENV: key.hex(), PARENT_ENV: str(os.getpid())},
-                                     start_new_session=True)
+        # the host writes a byte here per result: the rank sleeps on it rather than polling the host
+        self.doorbell, ring = os.pipe()
+        os.set_blocking(self.doorbell, False)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rollpacker.rollout.sglang_host", address],
+                                         env={**env, KEY_ENV: key.hex(), PARENT_ENV: str(os.getpid()),
+                                              DOORBELL_ENV: str(ring)},
+                                         start_new_session=True, pass_fds=(ring,))
+        finally:
+            os.close(ring)
         try:
             self.conn = self._connect(address, key)
             self.conn.send({"kwargs": kwargs, "cfg": cfg, "engine_id": engine_id, "vocab_size": vocab_size})
@@ -158,6 +165,9 @@ class _ProcessHost:
         self.kv_capacity, self.pid, self.sglang_version = info["kv_capacity"], info["pid"], info["sglang"]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "poll":  # before the call: a ring after it is for what the next poll returns
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.doorbell, 1 << 16)
         try:
             self.conn.send((method, args, kwargs))
         except OSError as exc:
@@ -168,6 +178,9 @@ class _ProcessHost:
         """Kill the host's process group (the host and sglang's processes: nothing of the rank's)."""
         with contextlib.suppress(AttributeError, OSError):
             self.conn.close()
+        if self.doorbell >= 0:  # once: a second close could hit a file that took its number
+            os.close(self.doorbell)
+            self.doorbell = -1
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -286,6 +299,10 @@ class SGLangEngine(RolloutEngine):
     def poll(self, timeout: float | None = 0.0) -> list[Completion]:
         """Wait up to ``timeout`` (None: until one finishes) for a completion, then drain the rest."""
         return self._leader("poll", timeout)
+
+    def ready_fd(self) -> int | None:
+        """The host's doorbell: a byte per result (an in-process double has none)."""
+        return getattr(self._host, "doorbell", None)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self._leader("abort", list(request_ids))

@@ -64,6 +64,7 @@ from rollpacker.rollout.sglang_api import (LOAD_TIMEOUT_S, SGLangCalls, SGLangSu
 KEY_ENV = "ROLLPACKER_HOST_KEY"
 PARENT_ENV = "ROLLPACKER_HOST_PARENT"  # the rank's pid: a host that outlived it before it could watch it exits
 LOG_LEVEL_ENV = "ROLLPACKER_HOST_LOG_LEVEL"
+DOORBELL_ENV = "ROLLPACKER_HOST_DOORBELL"  # the write end of the rank's doorbell pipe, inherited
 CHILD_WATCH_S = 1.0  # how often the host checks that sglang's processes are alive
 
 
@@ -111,9 +112,10 @@ class SGLangDriver:
     release ``surface`` describes."""
 
     def __init__(self, engine: Any, cfg: RolloutConfig, engine_id: int, surface: SGLangSurface,
-                 vocab_size: int | None = None):
-        """``vocab_size``: token ids at or above it are refused (sglang would index past its embedding)."""
-        self.cfg, self.engine_id, self.vocab_size = cfg, engine_id, vocab_size
+                 vocab_size: int | None = None, doorbell: int | None = None):
+        """``vocab_size``: token ids at or above it are refused (sglang would index past its embedding);
+        ``doorbell``: a pipe's write end, a byte written to it for every result (the rank sleeps on it)."""
+        self.cfg, self.engine_id, self.vocab_size, self._doorbell = cfg, engine_id, vocab_size, doorbell
         self.engine, self.surface = engine, surface
         self._call = SGLangCalls(engine, surface)
         self._loop = _LoopThread(engine.loop)
@@ -346,16 +348,23 @@ class SGLangDriver:
             self._stats.preemptions += int(out["meta_info"].get("num_retractions", 0))
             if c.finish_reason == FINISH_ABORT and r.request_id in self._evicting:
                 c.finish_reason = FINISH_EVICTED
-                self._results.put(c)
+                self._result(c)
             else:
-                self._results.put(_Failure(r.request_id, RuntimeError("aborted by SGLang"))
-                                  if c.finish_reason == FINISH_ABORT else c)
+                self._result(_Failure(r.request_id, RuntimeError("aborted by SGLang"))
+                             if c.finish_reason == FINISH_ABORT else c)
         except Exception as exc:  # an aborted request may end in an exception; poll sorts it out
-            self._results.put(_Failure(r.request_id, exc))
+            self._result(_Failure(r.request_id, exc))
         finally:
             with self._returned:
                 self._in_sglang.discard(r.request_id)
                 self._returned.notify_all()
+
+    def _result(self, item: Completion | _Failure) -> None:
+        """A request's result, for the next ``poll``; the rank's doorbell rings (a full pipe already rings)."""
+        self._results.put(item)
+        if self._doorbell is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._doorbell, b"\0")
 
     def _update_busy(self) -> None:
         now = time.monotonic()
@@ -483,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         surface = installed_surface()  # refuses an unsupported release before sglang is imported
         check_call(surface, "Engine.__init__", spec["kwargs"])
         import sglang
+        doorbell = int(os.environ.pop(DOORBELL_ENV))
+        os.set_blocking(doorbell, False)
         driver = SGLangDriver(sglang.Engine(**spec["kwargs"]), spec["cfg"], spec["engine_id"], surface,
-                              spec["vocab_size"])
+                              spec["vocab_size"], doorbell=doorbell)
     except Exception as exc:
         conn.send(("error", RuntimeError(f"the sglang engine did not start: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")))

@@ -17,20 +17,19 @@ seeds from (eval seed, step, sampling, file, prompt, sample), so no engine seed 
 scheduler, its queue and history, the dataset cursor and the ledger are not touched; its scores
 do not adapt the reward pool's code timeouts.
 
-Rank 0 shards the eval requests over every engine of the set (its own in-process, the others
-through their servers, as in a round), keeps at most each engine's running limit outstanding so
-that an engine that is done early takes more, and submits every response to the reward pool as
-it finishes.
+Rank 0 places the eval's prompt groups (a prompt's samples of one sampling) over every engine of
+the set as a round places its groups (its own engine in-process, the others through their
+servers), keeps at most each engine's running limit outstanding so that an engine that is done
+early takes more, and each engine scores its responses on its node's reward pool as they finish;
+a group comes back to rank 0 once all its samples are scored.
 """
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 import logging
 import time
-import zlib
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +37,24 @@ import torch.distributed as dist
 
 from rollpacker.config import Config
 from rollpacker.eval import EvalConfig, EvalRecord, eval_prompts, summarize
-from rollpacker.reward.pool import RewardPool
-from rollpacker.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from rollpacker.rollout.engine import SamplingParams
 from rollpacker.runtime.rollout_phase import RolloutPhase
-from rollpacker.sample import Prompt
 from rollpacker.scheduler.clock import RealClock
 from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.group_race import GroupLaunch
 
 log = logging.getLogger("rollpacker")
 
 
 class EvalPhase:
-    def __init__(self, cfg: Config, rollout: RolloutPhase, *, tokenizer: Any, pool: RewardPool | None,
-                 run_dir: Path, stop_token_ids: tuple[int, ...]):
-        """Every rank; rank 0 (``pool`` given) tokenizes the eval files and drives the eval."""
+    def __init__(self, cfg: Config, rollout: RolloutPhase, *, tokenizer: Any, run_dir: Path,
+                 stop_token_ids: tuple[int, ...]):
+        """Every rank; rank 0 tokenizes the eval files and drives the eval."""
         self.cfg: EvalConfig = cfg.run.eval
         self.enabled = self.cfg.enabled(cfg.data.eval_files)
         self.last_step = cfg.run.steps
-        self.rollout, self.pool = rollout, pool
+        self.rollout = rollout
+        coordinator = rollout.rank == 0
         self.dir = run_dir / "eval"
         self.done: set[int] = set()  # steps whose eval is logged
         self.max_running = cfg.rollout.max_running_requests
@@ -66,8 +65,8 @@ class EvalPhase:
             max_new_tokens=cfg.rollout.max_response_length if s.max_response_length is None
             else s.max_response_length,
             stop_token_ids=stop_token_ids)) for s in self.cfg.samplings}
-        self.files = eval_prompts(cfg, tokenizer) if self.enabled and pool is not None else []
-        if self.cfg.every and not cfg.data.eval_files and pool is not None:
+        self.files = eval_prompts(cfg, tokenizer) if self.enabled and coordinator else []
+        if self.cfg.every and not cfg.data.eval_files and coordinator:
             log.warning("run.eval.every=%d but data.eval_files is empty: the run does not evaluate", self.cfg.every)
 
     def due(self, step: int) -> bool:
@@ -86,59 +85,50 @@ class EvalPhase:
         return result
 
     # --- rank 0 ----------------------------------------------------------------------------------
-    def _requests(self, step: int) -> dict[str, tuple[GenerationRequest, str, str, Prompt, int]]:
-        out = {}
+    def _groups(self, step: int) -> list[tuple[GroupLaunch, str, str]]:
+        """(group, sampling name, file key) of every eval prompt and sampling; request ids and seeds
+        from (eval seed, step, sampling, file, prompt, sample), not from any engine's stream."""
+        out = []
         for name, (n, params) in self.params.items():
             for key, prompts in self.files:
                 for p in prompts:
-                    for k in range(n):
-                        rid = f"eval{step}/{name}/{key}/p{p.uid}r{k}"
-                        seed = zlib.crc32(f"{self.cfg.seed}:{step}:{name}:{key}:{p.uid}:{k}".encode())
-                        request = GenerationRequest(rid, p.input_ids, dataclasses.replace(params, seed=seed))
-                        out[rid] = (request, name, key, p, k)
+                    # reward_key None: code timeouts from the tests' content, never a training prompt's
+                    # uid; adapt False: the timeouts learned from training prompts stay as training left them
+                    out.append((GroupLaunch(len(out), p, n, n, f"eval{step}/{name}/{key}/p{p.uid}r",
+                                            f"{self.cfg.seed}:{step}:{name}:{key}:{p.uid}:", params,
+                                            reward_key=None, adapt=False), name, key))
         return out
 
-    def _drive(self, step: int, engines: list[RolloutEngine]) -> dict[str, float]:
+    def _drive(self, step: int, engines: list) -> dict[str, float]:
         start = time.monotonic()
         log.info("eval of step %d: started on %d engine(s)", step, len(engines))
-        requests = self._requests(step)
-        waiting = deque(requests)
-        driver = EngineDriver(engines, RealClock())
-        window = self.max_running * len(engines)
-        scoring: dict[str, Any] = {}
-        records: dict[str, EvalRecord] = {}
+        groups = self._groups(step)
+        waiting = deque(g for g, _, _ in groups)
+        driver = EngineDriver(engines, RealClock(), reward=self.rollout.reward)
+        limit = max(self.max_running, max(g.n for g, _, _ in groups))  # a group larger than the limit runs alone
+        records: dict[int, list[EvalRecord]] = {}
         finished_at: dict[tuple[str, str], float] = {}
-        tokens = 0
-        while waiting or driver.outstanding or scoring:
-            if waiting and driver.outstanding < window:
-                driver.submit(requests[waiting.popleft()][0] for _ in range(min(len(waiting),
-                                                                                window - driver.outstanding)))
-            if driver.outstanding:
-                for c in driver.poll():
-                    _, name, key, p, k = requests[c.request_id]
-                    tokens += len(c.output_ids)
-                    # adapt=False: the code timeouts learned from training prompts stay as training left them
-                    future = self.pool.submit(p.data_source, c.output_ids, p.ground_truth, adapt=False)
-                    future.add_done_callback(lambda _: driver.wake())  # a score ends the driver's wait
-                    scoring[c.request_id] = (c, future)
-            else:  # only scores are left to come
-                wait([f for _, f in scoring.values()], return_when=FIRST_COMPLETED)
-            for rid, (c, future) in list(scoring.items()):
-                if future.done():
-                    del scoring[rid]
-                    _, name, key, p, k = requests[rid]
-                    score = future.result()
-                    records[rid] = EvalRecord(name, key, p.data_source, p.uid, k, tuple(c.output_ids),
-                                              c.finish_reason, float(score.reward), bool(score.correct))
+        while waiting or driver.open_groups:
+            if waiting:  # at most what could fit: placing stops at the first group that fits nowhere
+                for _ in range(driver.launch(list(itertools.islice(waiting, limit * len(engines))), limit)):
+                    waiting.popleft()
+            for _, news in driver.poll():
+                for done in news.done:
+                    g, name, key = groups[done.key]
+                    p = done.group.prompt = g.prompt
+                    records[done.key] = [EvalRecord(name, key, p.data_source, p.uid, s.response_index,
+                                                    tuple(s.response_ids), s.finish_reason, float(s.reward),
+                                                    bool(s.correct))
+                                         for s in sorted(done.group.samples, key=lambda s: s.response_index)]
                     now = time.monotonic() - start
                     for group in ("", f"file/{key}/", f"source/{p.data_source}/"):
                         finished_at[(name, group)] = now
-        self.rollout.stop_servers(engines, released=lambda eid: False)
+        driver.end()  # every engine's server stops with its race
         seconds = time.monotonic() - start
-        ordered = [records[rid] for rid in requests]
+        ordered = [r for k in range(len(groups)) for r in records[k]]
         self._write_samples(step, ordered)
         metrics = summarize(ordered, finished_at)
-        metrics.update({"eval/seconds": seconds, "eval/generated_tokens": float(tokens),
+        metrics.update({"eval/seconds": seconds, "eval/generated_tokens": float(driver.counters()[1]),
                         "eval/engines": float(len(engines))})
         return metrics
 

@@ -1,17 +1,18 @@
 """The rollout phase of one step, as every rank runs it.
 
-Rank 0 coordinates: it runs the scheduler over the round's engines (its own
-in-process, the others through ``RemoteEngine`` proxies) with rewards scored
-in the CPU pool as responses finish. Every other rank plays one role for the
-round, chosen by the layout of the round's TP size:
+Rank 0 coordinates: it runs the scheduler over the round's engines, its own raced in-process,
+the others through ``RemoteRace`` handles. Every engine races the prompt groups placed on it where
+it is, scored by its node's reward pool (``reward/service.py``), and rank 0 hears of each group
+once. Every other rank plays one role for the round, chosen by the layout of the round's TP size:
 
 - the leader of an engine serves it to the coordinator (``EngineServer``);
 - a non-leader rank of a TP group mirrors its leader's forwards.
 
-In a long round the coordinator may stop an engine's server midway and hand
-its ranks to the stream trainer (``StreamFeed``): those ranks then train on
-the groups fed to them until the round ends. When the round ends the
-coordinator stops every other server and each leader releases its followers.
+In a long round the coordinator may retire an engine midway and hand its ranks
+to the stream trainer (``StreamFeed``): its server stops, and those ranks then
+train on the groups fed to them until the round ends. When the round ends the
+coordinator ends every other engine's race, which stops its server, and each
+leader releases its followers.
 """
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from rollpacker.coordinator import ROUND_END, TO_TRAINING, Bell, EngineServer, GroupFeed, GroupInbox, \
-    RemoteEngine, exchange_endpoints, stop_serving
-from rollpacker.reward.sink import PoolRewardSink
-from rollpacker.rollout.engine import RolloutEngine
+from rollpacker.coordinator import ROUND_END, TO_TRAINING, Bell, EngineServer, GroupFeed, GroupInbox, RemoteRace, \
+    exchange_endpoints
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.streaming import StreamFeed, stream_train
-from rollpacker.sample import Sample
+from rollpacker.sample import Sample, SampleGroup
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
+from rollpacker.scheduler.protocols import RewardSink
 from rollpacker.scheduler.round import RoundPlan, RoundResult
 from rollpacker.trainer.stream import StreamTrainer
 
@@ -35,56 +35,61 @@ T = TypeVar("T")
 
 
 class RolloutPhase:
-    def __init__(self, engines: EngineSets, *, scheduler: Scheduler | None, reward: PoolRewardSink | None,
-                 replica_of: list[int] | None = None, trigger: tuple[float, float] = (0.2, 0.5)):
-        """``replica_of``: each rank's training replica, to stream-train long rounds (None: never)."""
+    def __init__(self, engines: EngineSets, *, scheduler: Scheduler | None, reward: RewardSink,
+                 replica_of: list[int] | None = None, trigger: tuple[float, float] = (0.2, 0.5),
+                 engine_wait_s: float = 0.005):
+        """Collective. ``reward``: what this rank's engine races score with (its node's pool);
+        ``replica_of``: each rank's training replica, to stream-train long rounds (None: never);
+        ``engine_wait_s``: how long a serving engine's step may wait for a completion."""
         self.engines = engines
         self.rank = dist.get_rank()
-        self.scheduler, self.reward = scheduler, reward  # rank 0 only
+        self.scheduler, self.reward = scheduler, reward  # the scheduler: rank 0 only
+        self.engine_wait_s = engine_wait_s
         self.server, self.inbox = EngineServer(), GroupInbox()
-        self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=engines.world.control)
-        self._proxies: dict[tuple[int, int], RemoteEngine] = {}
-        self.bell = Bell() if self.rank == 0 else None  # servers with completions ring it: no polling every engine
+        world = engines.world
+        self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=world.control)
+        self._proxies: dict[tuple[int, int], RemoteRace] = {}
+        self.bell = Bell() if self.rank == 0 else None  # every remote race pushes its news here
         if self.rank == 0:  # every engine's proxy now, while every rank is alive: ZeroMQ reports a
             # connection that closed, but one first made to a rank already gone would just never
             # complete, and rank 0 would wait on it for good (a node lost before a TP size's first round)
-            for tp, layout in sorted(engines.world.rollout.items()):
+            for tp, layout in sorted(world.rollout.items()):
                 for engine_id, leader in enumerate(layout.leaders):
                     if leader != 0 and tp in engines.engines:
                         self._proxy(tp, engine_id, leader)
         self.streaming = None
         if self.rank == 0 and replica_of is not None:
             self.streaming = StreamFeed(GroupFeed(self.endpoints), self.inbox, replica_of, low=trigger[0],
-                                        high=trigger[1], stop_engine=self._hand_to_training)
+                                        high=trigger[1])
         self._acks = GroupFeed(self.endpoints)  # a rank handed to training acknowledges each group to rank 0
-        self.streamed: list[list[Sample]] = []  # rank 0: groups trained during the last round
+        self.streamed: list[SampleGroup] = []  # rank 0: groups trained during the last round
 
     def run(self, plan: RoundPlan | None) -> tuple[RoundResult | None, bool]:
         """Collective over the world: (the round's result on rank 0, else None;
         whether this rank was handed to training during the round)."""
-        def round_(engines: list[RolloutEngine]) -> RoundResult:
+        def round_(engines: list) -> RoundResult:
             feed = self.streaming
             result = self.scheduler.run_round(plan, engines, self.reward, clock=RealClock(),
                                               on_group_done=feed.group_done if feed else None,
                                               handoff=feed.policy(self.engines.layout) if feed else None)
-            self.stop_servers(engines, released=feed.released if feed else lambda eid: False)
             self.streamed = feed.end_round() if feed else []
             return result
 
         return self.on_engines(round_)
 
-    def on_engines(self, work: Callable[[list[RolloutEngine]], T]) -> tuple[T | None, bool]:
+    def on_engines(self, work: Callable[[list], T]) -> tuple[T | None, bool]:
         """Collective over the world: rank 0 runs ``work`` over the awake set's engines (its own, and
-        proxies of the others) while their leaders serve and their followers mirror; ``work`` must
-        stop the servers it does not hand to training (``stop_servers``). Returns (``work``'s result
-        on rank 0, else None; whether this rank was handed to training)."""
+        remote races of the others) while their leaders serve and their followers mirror; ``work`` must
+        end every race it does not retire to the stream trainer (``EngineDriver.end``): that ends its
+        server's loop. Returns (``work``'s result on rank 0, else None; whether this rank was handed
+        to training)."""
         layout, engine = self.engines.layout, self.engines.active
         result, reason = None, ROUND_END
         if self.rank == 0:
             result = work([engine if leader == 0 else self._proxy(layout.tp, eid, leader)
                            for eid, leader in enumerate(layout.leaders)])
         elif layout.is_leader:
-            reason = self.server.serve(engine)
+            reason = self.server.serve(engine, self.reward, self.engine_wait_s)
         else:
             engine.serve_follower()
         if layout.tp > 1:
@@ -95,28 +100,21 @@ class RolloutPhase:
             reason = box[0]
         return result, reason == TO_TRAINING
 
-    def stop_servers(self, engines: list[RolloutEngine], released: Callable[[int], bool]) -> None:
-        stop_serving([remote for eid, remote in enumerate(engines[1:], start=1) if not released(eid)], ROUND_END)
-
     def stream_train(self, stream: StreamTrainer) -> int:
         """On a rank handed to training: consume the groups fed to it until the rollout ends."""
         return stream_train(self.inbox, stream, ack=lambda key: self._acks.send([0], key))
 
-    def unstreamed(self, result: RoundResult | None) -> list[list[Sample]] | None:
+    def unstreamed(self, result: RoundResult | None) -> list[SampleGroup] | None:
         """Rank 0: the round's groups that no rank trained during rollout."""
         if result is None:
             return None
         done = {id(g) for g in self.streamed}
-        return [g for g in result.groups if id(g) not in done]
+        return [g for g in result.kept if id(g) not in done]
 
-    def _hand_to_training(self, engine_id: int) -> None:
-        layout = self.engines.layout
-        self._proxy(layout.tp, engine_id, layout.leaders[engine_id]).stop_serving(TO_TRAINING)
-
-    def _proxy(self, tp: int, engine_id: int, leader: int) -> RemoteEngine:
+    def _proxy(self, tp: int, engine_id: int, leader: int) -> RemoteRace:
         key = (tp, engine_id)
         if key not in self._proxies:
-            self._proxies[key] = RemoteEngine(self.endpoints[leader], engine_id, bell=self.bell)
+            self._proxies[key] = RemoteRace(self.endpoints[leader], engine_id, self.bell)
         return self._proxies[key]
 
     def close(self) -> None:
@@ -131,8 +129,9 @@ class RolloutPhase:
         self.inbox.close()
 
 
-def broadcast_groups(groups: list[list[Sample]] | None, group: dist.ProcessGroup) -> list[list[Sample]]:
-    """Collective over ``group`` (the control group): rank 0's groups on every rank."""
+def broadcast_groups(groups: list[SampleGroup] | None, group: dist.ProcessGroup) -> list[list[Sample]]:
+    """Collective over ``group`` (the control group): rank 0's groups on every rank, unpacked there
+    (rank 0 sends each as it came from its engine, still packed)."""
     box = [groups]
     dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return [g.samples for g in box[0]]

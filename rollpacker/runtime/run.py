@@ -23,12 +23,12 @@ from rollpacker.data.dataset import PromptDataset
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
 from rollpacker.phases import Phase, PhaseMachine
 from rollpacker.reward import RewardPool
+from rollpacker.reward.service import NodeReward
 from rollpacker.rollout_report import TABLE_COLUMNS, completion_rows, plot_gantt
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.eval_phase import EvalPhase
 from rollpacker.runtime.ledger import PromptLedger
 from rollpacker.runtime.preflight import Preflight, check_weights
-from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.runtime.rollout_phase import RolloutPhase, broadcast_groups
 from rollpacker.runtime.streaming import replica_of_ranks
 from rollpacker.runtime.world import World
@@ -58,11 +58,11 @@ class Run:
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints, group=world.control)
         self.ckpt.install_sigterm_handler()
         self.coordinator = world.rank == 0
-        scheduler = sink = None
+        # one reward pool per node, on its first rank: the node's engines score their responses there
+        self.pool = RewardPool(cfg.reward, tokenizer=pre.tokenizer) if world.rank == world.node_lead else None
+        scheduler = None
         if self.coordinator:
             self.dataset = PromptDataset.from_config(cfg.data, pre.tokenizer)
-            self.pool = RewardPool(cfg.reward, tokenizer=pre.tokenizer)
-            sink = PoolRewardSink(self.pool)
             scheduler = Scheduler(cfg.scheduler, cfg.rollout, self.dataset, rollout_ranks=world.size,
                                   stop_token_ids=[pre.tokenizer.eos_token_id],
                                   async_reward=cfg.reward.async_scoring)
@@ -73,10 +73,12 @@ class Run:
                         world.size)
         # a rank's training replica decides whether its engine may leave a long round to stream-train
         replica_of = replica_of_ranks(layout.dp_rank, world.control) if cfg.trainer.stream else None
-        self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=sink, replica_of=replica_of,
+        self.node_reward = NodeReward(self.pool, lead=world.node_lead, local_size=world.local_size,
+                                      group=world.control)
+        self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=self.node_reward.sink,
+                                          replica_of=replica_of, engine_wait_s=cfg.scheduler.idle_poll_s,
                                           trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
-        self.eval_phase = EvalPhase(cfg, self.rollout_phase, tokenizer=pre.tokenizer,
-                                    pool=self.pool if self.coordinator else None, run_dir=self.run_dir,
+        self.eval_phase = EvalPhase(cfg, self.rollout_phase, tokenizer=pre.tokenizer, run_dir=self.run_dir,
                                     stop_token_ids=(pre.tokenizer.eos_token_id,))
         self.seconds: dict[str, float] = {}
 
@@ -86,14 +88,16 @@ class Run:
         step, 0 without one. No intact checkpoint, or a damaged record, stops the run with one message."""
         with self.stops_on_file_faults():
             step = self.ckpt.resume_step(self.cfg.run.resume_from)
+            reward_state = None
             if step is not None:
                 rank_state, shared = self.ckpt.load(step)
                 self.trainer.load_state_dict(rank_state["trainer"])
                 if self.coordinator:
                     self.dataset.load_state_dict(shared["data"])
                     self.scheduler.load_state_dict(shared["scheduler"])
-                    self.pool.load_state_dict(shared["reward"])
+                    reward_state = shared["reward"]
                 log.info("resumed from step %d (%s)", step, self.ckpt.path(step))
+            self.node_reward.load_everywhere(reward_state)  # every node's pool times code as rank 0's did
 
             def open_records() -> None:  # a torn last line is dropped (and logged), other damage refused
                 if self.coordinator:
@@ -171,6 +175,7 @@ class Run:
 
     def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
         """Metrics, timeline, ledger and checkpoint; returns True when the run must stop now."""
+        self.node_reward.share_code_timeouts()  # rank 0's pool, which the checkpoint saves, learns the others'
         spans = self.timeline.gather(self.world.control)
         stop = self.ckpt.any_stop_requested()
         every = self.cfg.run.save_every
@@ -183,7 +188,7 @@ class Run:
                 self.seconds["time/checkpoint_s"] = time.monotonic() - checkpoint_started
             self.seconds["time/step_s"] = time.monotonic() - self._step_started  # wall time, checkpoint included
             if self.coordinator:
-                self.ledger.record(step, [g[0].prompt for g in result.groups], result.filtered)
+                self.ledger.record(step, [g.prompt for g in result.kept], result.filtered)
                 metrics = self._step_metrics(result, train_metrics)
                 self.metrics.log(step, metrics, **self._step_media(step, spans, result))
                 s = result.stats
@@ -235,8 +240,10 @@ class Run:
     def close(self) -> None:
         self.rollout_phase.close()
         self.engines.shutdown()
-        if self.coordinator:
+        self.node_reward.close()
+        if self.pool is not None:
             self.pool.close()
+        if self.coordinator:
             if hasattr(self, "metrics"):  # not opened when the resume was refused
                 self.metrics.close()
 

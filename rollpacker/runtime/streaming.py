@@ -24,12 +24,11 @@ import torch.distributed as dist
 
 from rollpacker.coordinator import GroupFeed, GroupInbox
 from rollpacker.runtime.world import RolloutLayout
-from rollpacker.sample import Sample
+from rollpacker.sample import SampleGroup
 from rollpacker.scheduler.handoff import HandoffPolicy
-from rollpacker.trainer.packing import sequence_length
 from rollpacker.trainer.stream import StreamTrainer
 
-Group = list[Sample]
+Group = SampleGroup
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class RolloutEnded:
 
 
 def _key(group: Group) -> tuple[int, int]:
-    return group[0].prompt.epoch, group[0].prompt.uid
+    return group.prompt.epoch, group.prompt.uid
 
 
 class StreamFeed:
@@ -51,10 +50,9 @@ class StreamFeed:
     """
 
     def __init__(self, feed: GroupFeed, acks: GroupInbox, replica_of: Sequence[int], *, low: float, high: float,
-                 stop_engine: Callable[[int], None], window: int = 2):
+                 window: int = 2):
         self.feed, self.acks, self.replica_of = feed, acks, list(replica_of)
         self.low, self.high, self.window = low, high, window
-        self.stop_engine = stop_engine  # ends the engine's server loop: its ranks go to training
         self._start_round(None)
 
     def policy(self, layout: RolloutLayout) -> HandoffPolicy | None:
@@ -80,16 +78,12 @@ class StreamFeed:
         self._start_round(None)
         return streamed
 
-    def released(self, engine_id: int) -> bool:
-        return engine_id in self._released
-
     # --- internals ---------------------------------------------------------------------------------
     def _start_round(self, layout: RolloutLayout | None) -> None:
         self._layout = layout
         self._replicas: list[list[int]] = []  # ranks of each replica now training
         self._incoming: queue.Queue[Group | None] = queue.Queue()
         self._streamed: list[Group] = []
-        self._released: set[int] = set()
         self._feeder: threading.Thread | None = None
 
     def _whole_replicas(self, layout: RolloutLayout, engine_id: int) -> bool:
@@ -98,9 +92,7 @@ class StreamFeed:
         return all(r in ranks for r, rep in enumerate(self.replica_of) if rep in replicas)
 
     def _release(self, engine_ids: list[int]) -> None:
-        for e in engine_ids:
-            self.stop_engine(e)
-            self._released.add(e)
+        for e in engine_ids:  # retired by the round: their servers stopped, their ranks train
             ranks = self._layout.ranks_of(e)
             for rep in sorted({self.replica_of[r] for r in ranks}):
                 self._replicas.append([r for r in ranks if self.replica_of[r] == rep])
@@ -129,7 +121,7 @@ class StreamFeed:
                 i, group = min(free, key=tokens.__getitem__), waiting.pop(0)
                 self.feed.send(self._replicas[i], group)
                 in_flight[i].add(_key(group))
-                tokens[i] += sum(sequence_length(s) for s in group)
+                tokens[i] += len(group) * len(group.prompt.input_ids) + sum(group.lengths)  # as packed
                 self._streamed.append(group)
             if ending:
                 return
@@ -143,7 +135,7 @@ def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[
     stream.begin()
     n = 0
     while not isinstance(message := inbox.receive(), RolloutEnded):
-        stream.consume([message])
+        stream.consume([message.samples])
         ack(_key(message))
         n += 1
     stream.end_rollout(at=message.at)

@@ -62,6 +62,11 @@ class World:
     control: dist.ProcessGroup  # gloo over every rank: host-side flags and objects
     rollout: dict[int, RolloutLayout] = field(default_factory=dict)
 
+    @property
+    def node_lead(self) -> int:
+        """The first rank of this rank's node (torchrun numbers a node's ranks consecutively)."""
+        return self.rank - self.rank % self.local_size
+
     @classmethod
     def init(cls, threads_per_rank: int = 1) -> "World":
         if not dist.is_initialized():

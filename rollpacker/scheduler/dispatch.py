@@ -1,16 +1,18 @@
-"""Dispatch over a round's engines: load balancing, driving, slot accounting.
+"""Dispatch over a round's engines: where each group runs, what the engines tell, the end.
 
-``RolloutEngine.poll`` is the only call that advances an engine. On a real
-clock the driver polls every engine without blocking and, after a sweep that
-returned nothing, lets one engine block briefly (round robin) so that a
-waiting scheduler does not spin. Remote engines whose servers push their
-completions to a shared bell (``Announcing``) are not polled: the driver takes
-what reached the bell, and with no local engine waits on it. Its cost then
-grows with the completions, not with the engines or the length of the round;
-what else it waits for (scores) ``wake``s it, so it never wakes on a timer. On a ``VirtualClock`` nothing moves by
-itself: the driver asks every ``EventSource`` (simulated engines, a reward
-model with latency) for its next event, advances the clock to the earliest,
-then polls every engine, which simulates itself up to the new time.
+Every engine runs its share of the round as a ``GroupRace`` (group_race.py): an engine in this
+process (rank 0's own, a modeled one) is wrapped in one here, and an engine that another rank
+leads runs its race inside that rank's ``EngineServer``, reached through a ``RemoteRace``
+(coordinator.py) whose server pushes its news to the bell the round's remote races share. The
+driver places each launched group, all its responses, on the engine with the fewest outstanding
+requests (then outstanding prompt tokens), steps the races it holds, and takes what reached
+the bell; with nothing new it sleeps on the bell until a server pushes or a score ``wake``s it,
+never on a timer. On a ``VirtualClock`` nothing moves by itself: the driver asks every
+``EventSource`` (modeled engines, a reward model with latency) for its next event, advances the
+clock to the earliest, then steps every race, whose engine simulates itself up to the new time.
+
+When the round is over, ``end`` ends every race, and their reports give the round's accounting:
+where each request ran, the engines' busy slots, preemptions and generated tokens.
 """
 from __future__ import annotations
 
@@ -20,209 +22,231 @@ import time
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from rollpacker.rollout.engine import Completion, EngineStats, GenerationRequest, RolloutEngine
+from rollpacker.rollout.engine import EngineStats, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
-from rollpacker.scheduler.protocols import Announcing, EventSource, Pipelined
+from rollpacker.scheduler.group_race import GroupLaunch, GroupRace, RaceNews, RaceReport
+from rollpacker.scheduler.protocols import EventSource, RewardSink
 
-# with a bell, every engine is polled anyway after this long without news: completions its server
-# could not push (the bell's socket full) cannot stall a round
-_FULL_SWEEP_AFTER_S = 5.0
+# a remote race's server is checked for a hang-up after this long without news: a dead rank
+# pushes nothing, and its socket's hang-up is only seen when looked at
+_LIVENESS_AFTER_S = 5.0
 
 
 class StalledError(RuntimeError):
-    """Requests are outstanding but nothing can make progress (virtual clock)."""
+    """Groups are open but nothing can make progress (virtual clock)."""
 
 
 class EngineDriver:
-    def __init__(self, engines: Sequence[RolloutEngine], clock: Clock, *, idle_poll_s: float = 0.005,
-                 event_sources: Sequence[object] = ()) -> None:
+    """``engines``: in-process ``RolloutEngine``s (raced here, scored by ``reward``) and remote races
+    (``protocols.RemoteRace``)."""
+
+    def __init__(self, engines: Sequence[object], clock: Clock, *, reward: RewardSink | None = None,
+                 idle_poll_s: float = 0.005, event_sources: Sequence[object] = (), progress: bool = False) -> None:
+        """``progress``: remote races also tell of each response generated (a hand-off's trigger
+        counts them), not only of completed groups."""
         if not engines:
             raise ValueError("a round needs at least one rollout engine")
-        self._engines = list(engines)
         self._clock = clock
         self._idle_poll_s = idle_poll_s
         self._virtual = isinstance(clock, VirtualClock)
+        self._local = [i for i, e in enumerate(engines) if isinstance(e, RolloutEngine)]
+        if self._local and reward is None:
+            raise ValueError("engines raced in this process need a reward sink")
         if self._virtual:
-            not_simulated = [i for i, e in enumerate(engines) if not isinstance(e, EventSource)]
-            if not_simulated:
-                raise TypeError(f"engines {not_simulated} do not implement next_event_time(); "
-                                "a VirtualClock needs simulated engines")
-        self._event_sources = [*engines, *(s for s in event_sources if isinstance(s, EventSource))]
-        bells = {id(e.bell): e.bell for e in engines if isinstance(e, Announcing) and e.bell is not None}
+            not_simulated = [i for i in self._local if not isinstance(engines[i], EventSource)]
+            if not_simulated or len(self._local) < len(engines):
+                raise TypeError(f"engines {not_simulated or 'served by other ranks'} cannot tell their next event; "
+                                "a VirtualClock needs simulated engines in this process")
+        self._races = [GroupRace(e, reward, clock, wake=self.wake) if i in self._local else e
+                       for i, e in enumerate(engines)]
+        self._event_sources = [*(engines[i] for i in self._local),
+                               *(s for s in event_sources if isinstance(s, EventSource))]
+        remote = [i for i in range(len(engines)) if i not in self._local]
+        bells = {id(engines[i].bell): engines[i].bell for i in remote}
         if len(bells) > 1:
             raise ValueError("a round's remote engines must share one bell")
         self._bell = next(iter(bells.values()), None)
+        # in-process engines that tell when they have a completion: the driver sleeps on them with the bell
+        self._ringing = {i for i in self._local if engines[i].ready_fd() is not None}
         if self._bell is not None:  # what the bell still gets from an earlier driver's round is stale
-            self._bell.new_round()
-        self._local = [i for i, e in enumerate(engines) if not (isinstance(e, Announcing) and e.bell is not None)]
-        self._pipelined = {i for i, e in enumerate(engines) if isinstance(e, Pipelined)}
+            self._bell.new_round(progress)
+            self._bell.watch([engines[i].ready_fd() for i in self._ringing])
+        self._pipelined = set(remote)  # a remote race's calls are sent before any reply is awaited
         self._last_news = time.monotonic()
-        self._owner: dict[str, int] = {}  # outstanding request id -> engine index
-        self._load = [0] * len(engines)  # outstanding requests per engine
-        self._prompt_tokens = [0] * len(engines)
-        self._tokens_of: dict[str, int] = {}
         self._next_blocking = 0
-        self._retired: dict[int, tuple[float, EngineStats]] = {}  # engine -> (when, its final stats)
-        # request id -> [engine, submitted, released (None while outstanding)] per engine that held it:
-        # the rollout Gantt of the step (a migrated request has two)
-        self.placements: dict[str, list[list]] = defaultdict(list)
-        # slot accounting
+        self._placed: dict[int, int] = {}  # open group key -> engine index
+        self._group_tokens: dict[int, int] = {}  # open group key -> its prompt tokens over its responses
+        self._load = [0] * len(engines)  # outstanding requests per engine (as it last told)
+        self._tokens = [0] * len(engines)  # outstanding prompt tokens per engine
+        self._retired: dict[int, float] = {}  # engine -> when it left the round
+        self._backlog: list[tuple[int, RaceNews]] = []  # news handed back by a retire, for the next poll
+        self.reports: dict[int, RaceReport] = {}  # engine -> its race's report, once ended or retired
         self._start = clock.now()
-        self._last = self._start
-        self._busy_slot_seconds = 0.0
-        self._peak = [0] * len(engines)
-        stats = self._each((i, "stats") for i in range(len(engines)))
-        self._preemptions0 = [s.preemptions for s in stats]
-        self._tokens0 = [s.tokens_generated for s in stats]
+        self._ended_at: float | None = None
 
     @property
     def engines(self) -> int:
-        return len(self._engines)
+        return len(self._races)
+
+    @property
+    def open_groups(self) -> int:
+        """Groups launched and not yet reported complete."""
+        return len(self._placed)
 
     @property
     def outstanding(self) -> int:
-        return len(self._owner)
+        """Requests outstanding over every engine, as each last told."""
+        return sum(self._load)
 
-    def outstanding_ids(self) -> list[str]:
-        return list(self._owner)
-
-    def submit(self, requests: Iterable[GenerationRequest]) -> None:
-        """Send each request to the engine with the fewest outstanding requests
-        (then fewest outstanding prompt tokens); one prompt's responses spread."""
-        self._account()
-        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._prompt_tokens))
+    def launch(self, groups: Iterable[GroupLaunch], limit: int | None = None) -> int:
+        """Place each group whole on the engine with the fewest outstanding requests (then prompt
+        tokens) and send each engine its groups in one call. ``limit``: no engine is given more
+        than that many outstanding requests; placing stops at the first group that fits nowhere.
+        Returns how many groups were placed."""
+        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._tokens))
                 if i not in self._retired]
         heapq.heapify(heap)
-        batches: dict[int, list[GenerationRequest]] = defaultdict(list)
-        for req in requests:
-            if req.request_id in self._owner:
-                raise ValueError(f"request {req.request_id} is already outstanding")
-            load, toks, i = heapq.heappop(heap)
-            batches[i].append(req)
-            self._owner[req.request_id] = i
-            self.placements[req.request_id].append([i, self._last, None])
-            self._tokens_of[req.request_id] = len(req.input_ids) + len(req.resume_ids)
-            heapq.heappush(heap, (load + 1, toks + self._tokens_of[req.request_id], i))
-        self._each((i, "submit", batch) for i, batch in batches.items())
-        for i, batch in batches.items():
-            self._load[i] += len(batch)
-            self._prompt_tokens[i] += sum(self._tokens_of[r.request_id] for r in batch)
-            self._peak[i] = max(self._peak[i], self._load[i])
+        batches: dict[int, list[GroupLaunch]] = defaultdict(list)
+        placed = 0
+        for g in groups:
+            if g.key in self._placed:
+                raise ValueError(f"group {g.key} is already open")
+            load, toks, i = heap[0]
+            n = g.n - len(g.ready) - len(g.unscored)
+            if limit is not None and load + n > limit:
+                break
+            tokens = n * len(g.prompt.input_ids)
+            heapq.heapreplace(heap, (load + n, toks + tokens, i))
+            batches[i].append(g)
+            self._placed[g.key], self._group_tokens[g.key] = i, tokens
+            self._load[i] += n
+            self._tokens[i] += tokens
+            placed += 1
+        self._each((i, "launch", batch) for i, batch in batches.items())
+        return placed
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        self._account()
-        by_engine: dict[int, list[str]] = defaultdict(list)
-        for rid in request_ids:
-            if rid in self._owner:
-                by_engine[self._release(rid)].append(rid)
-        self._each((i, "abort", ids) for i, ids in by_engine.items())
-
-    def retire(self, indices: Sequence[int]) -> list[Completion]:
-        """Take engines out of the round: every request outstanding on them is evicted and
-        handed back (finished ones as they are, the rest to be resubmitted elsewhere);
-        they get no more work and are not called again."""
-        self._account()
-        handed: list[Completion] = []
-        for i in indices:
-            ids = [rid for rid, owner in self._owner.items() if owner == i]
-            for rid in ids:
-                self._release(rid)
-            handed += self._engines[i].evict(ids) if ids else []
-            self._retired[i] = (self._clock.now(), self._engines[i].stats())
-        return handed
-
-    def active_stats(self) -> list[EngineStats]:
-        """Each engine's stats; a retired engine reports nothing in use and no capacity."""
-        live = [i for i in range(len(self._engines)) if i not in self._retired]
-        stats = dict(zip(live, self._each((i, "stats") for i in live)))
-        return [stats.get(i, EngineStats()) for i in range(len(self._engines))]
-
-    def poll(self) -> list[Completion]:
-        """Advance the engines; return the completions of outstanding requests."""
-        active = [e for i, e in enumerate(self._engines) if i not in self._retired] if self._bell is None else []
+    def poll(self) -> list[tuple[int, RaceNews]]:
+        """Advance the engines; each engine's news since the last poll, as (engine index, news)."""
+        news, self._backlog = self._backlog, []
         if self._virtual:
             self._advance_virtual_clock()
-            raw = [c for e in active for c in e.poll(0.0)]
+        news += self._step_local(0.0)
+        if not news and self._placed:
+            news = self._wait()
         elif self._bell is not None:
-            raw = self._poll_announced()
-        else:
-            raw = [c for e in active for c in e.poll(0.0)]
-            if not raw and self._owner:
-                engine = active[self._next_blocking % len(active)]
-                self._next_blocking += 1
-                raw = engine.poll(self._idle_poll_s)
-        self._account()
-        done = []
-        for c in raw:
-            # a completion racing its own abort is dropped, as is one pushed by an engine whose
-            # requests ``retire`` handed back (the evict returned it too)
-            if c.request_id in self._owner:
-                self._release(c.request_id)
-                done.append(c)
-        return done
-
-    def _poll_announced(self) -> list[Completion]:
-        """Local engines and what reached the bell; with nothing and no local engine, sleep until a
-        server pushes, ``wake`` is called or the next full sweep is due."""
-        local = [i for i in self._local if i not in self._retired]
-        if time.monotonic() - self._last_news > _FULL_SWEEP_AFTER_S:
-            polled = [i for i in range(len(self._engines)) if i not in self._retired]
+            news += self._bell.collect()
+        for i, n in news:
+            self._load[i] = n.open
+            for done in n.done:
+                if self._placed.pop(done.key, None) is not None:
+                    self._tokens[i] -= self._group_tokens.pop(done.key)
+        if news:
             self._last_news = time.monotonic()
-        else:
-            polled = local
-        raw = [c for i in polled for c in self._engines[i].poll(0.0)] + self._bell.collect()
-        if not raw and self._owner:
-            if local:
-                engine = self._engines[local[self._next_blocking % len(local)]]
-                self._next_blocking += 1
-                raw = engine.poll(self._idle_poll_s)
-            elif not self._bell.woken:  # woken: the caller has something to look at first
-                raw = self._bell.collect(max(0.0, self._last_news + _FULL_SWEEP_AFTER_S - time.monotonic()))
-        if raw or not self._owner:
-            self._last_news = time.monotonic()
-        return raw
+        return news
 
     def wake(self) -> None:
-        """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): something the caller
-        waits for besides the engines (a score) has come. Without a bell the waits are short anyway."""
+        """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): a score came.
+        Without a bell the waits are short anyway."""
         if self._bell is not None:
             self._bell.wake()
 
     def wait_for_time(self) -> None:
-        """Wait for something other than the engines (reward scores), with no request outstanding:
-        on a virtual clock, move to the next simulated event; with a bell and no local engine, until
-        ``wake`` (what reaches the bell meanwhile is stale: nothing is outstanding); else sleep briefly."""
-        if self._owner:
-            raise RuntimeError("wait_for_time with requests outstanding: poll for them instead")
+        """Wait for something other than the engines (scores of the after-rollout stage): on a
+        virtual clock, move to the next simulated event; with a bell, until ``wake``; else briefly."""
         if self._virtual:
             self._advance_virtual_clock()
-        elif self._bell is not None and not self._local:
-            self._bell.collect(_FULL_SWEEP_AFTER_S)
+        elif self._bell is not None:
+            self._bell.collect(_LIVENESS_AFTER_S)
         else:
             time.sleep(self._idle_poll_s)
 
+    def retire(self, indices: Sequence[int]) -> list[GroupLaunch]:
+        """Take engines out of the round: their open groups are handed back with what they have,
+        to be launched on the engines that stay; they get no more work and are not called again."""
+        handed: list[GroupLaunch] = []
+        for i in indices:
+            states, report = self._races[i].retire()
+            self.reports[i] = report
+            self._backlog += [(i, n) for n in report.undelivered]
+            self._retired[i] = self._clock.now()
+            for g in states:
+                del self._placed[g.key]
+                self._tokens[i] -= self._group_tokens.pop(g.key)
+            self._load[i] = 0
+            handed += states
+        return handed
+
+    def stats(self) -> list[EngineStats]:
+        """Each engine's stats; a retired engine reports nothing in use and no capacity."""
+        live = [i for i in range(len(self._races)) if i not in self._retired]
+        stats = dict(zip(live, self._each((i, "stats") for i in live)))
+        return [stats.get(i, EngineStats()) for i in range(len(self._races))]
+
+    def end(self) -> None:
+        """End every race still in the round: what is left is aborted and each reports."""
+        live = [i for i in range(len(self._races)) if i not in self._retired]
+        self.reports.update(zip(live, self._each((i, "end") for i in live)))
+        self._ended_at = self._clock.now()
+        if self._bell is not None:
+            self._bell.watch([])
+        self._placed.clear()
+        self._load = [0] * len(self._races)
+
     def bubble_fraction(self) -> float:
-        """A retired engine's slots count only until it left the round (its ranks then train)."""
-        self._account()
-        slot_seconds = sum(peak * ((self._retired[i][0] if i in self._retired else self._last) - self._start)
-                           for i, peak in enumerate(self._peak))
-        return 0.0 if slot_seconds <= 0 else max(0.0, 1.0 - self._busy_slot_seconds / slot_seconds)
+        """The idle share of the engines' slot-time (``RoundStats``); a retired engine's slots count
+        only until it left the round (its ranks then train)."""
+        end = self._clock.now() if self._ended_at is None else self._ended_at
+        slot_seconds = sum(r.peak * (self._retired.get(i, end) - self._start) for i, r in self.reports.items())
+        busy = sum(r.busy_seconds for r in self.reports.values())
+        return 0.0 if slot_seconds <= 0 else max(0.0, 1.0 - busy / slot_seconds)
 
     def counters(self) -> tuple[int, int]:
-        """(preemptions, generated tokens) since this driver was created."""
-        live = [i for i in range(len(self._engines)) if i not in self._retired]
-        stats = [s for _, s in self._retired.values()] + self._each((i, "stats") for i in live)
-        pre = sum(s.preemptions for s in stats) - sum(self._preemptions0)
-        toks = sum(s.tokens_generated for s in stats) - sum(self._tokens0)
-        return pre, toks
+        """(preemptions, generated tokens) of the round, from the races' reports."""
+        return (sum(r.preemptions for r in self.reports.values()),
+                sum(r.generated_tokens for r in self.reports.values()))
+
+    def retired_at(self, i: int) -> float | None:
+        return self._retired.get(i)
+
+    # --- internals ---------------------------------------------------------------------------------
+    def _step_local(self, timeout: float) -> list[tuple[int, RaceNews]]:
+        out = []
+        for i in self._local:
+            if i not in self._retired and (news := self._races[i].step(timeout)):
+                out.append((i, news))
+        return out
+
+    def _wait(self) -> list[tuple[int, RaceNews]]:
+        """Nothing new here: block on an in-process engine that must be polled for its work (round
+        robin), else sleep on the bell until a server pushes, a score wakes it (one that came since
+        the in-process races looked left the bell readable: no sleep then) or an in-process engine
+        has a completion, else (no bell) step an engine or sleep briefly."""
+        generating = [i for i in self._local if i not in self._retired and self._races[i].generating
+                      and (self._bell is None or i not in self._ringing)]
+        if generating:
+            i = generating[self._next_blocking % len(generating)]
+            self._next_blocking += 1
+            news = self._races[i].step(self._idle_poll_s)
+            return ([(i, news)] if news else []) + (self._bell.collect() if self._bell is not None else [])
+        if self._bell is not None:
+            news = self._bell.collect(max(0.001, self._last_news + _LIVENESS_AFTER_S - time.monotonic()))
+            if not news and not self._bell.woken and time.monotonic() - self._last_news >= _LIVENESS_AFTER_S:
+                for i, race in enumerate(self._races):
+                    if i not in self._local and i not in self._retired:
+                        race.check_alive()
+                self._last_news = time.monotonic()
+            return news
+        if not self._virtual:
+            time.sleep(self._idle_poll_s)
+        return []
 
     def _each(self, calls: Iterable[tuple]) -> list:
-        """``(engine index, method, *args)`` called on each engine, their results in order. Every
-        pipelined engine gets its call before any reply is awaited (local engines are called then);
-        each reply is awaited even when one is an error (a channel left without its reply could
-        not be used again), then the first error is raised."""
-        pending = [self._engines[i].begin(method, *args) if i in self._pipelined
-                   else functools.partial(getattr(self._engines[i], method), *args) for i, method, *args in calls]
+        """``(engine index, method, *args)`` called on each race, their results in order. Every
+        pipelined (remote) race gets its call before any reply is awaited (local ones are called
+        then); each reply is awaited even when one is an error (a channel left without its reply
+        could not be used again), then the first error is raised."""
+        pending = [self._races[i].begin(method, *args) if i in self._pipelined
+                   else functools.partial(getattr(self._races[i], method), *args) for i, method, *args in calls]
         results, error = [], None
         for reply in pending:
             try:
@@ -235,22 +259,10 @@ class EngineDriver:
         return results
 
     def _advance_virtual_clock(self) -> None:
-        retired = {id(self._engines[i]) for i in self._retired}
+        retired = {id(self._races[i].engine) for i in self._retired}
         times = [t for t in (s.next_event_time() for s in self._event_sources if id(s) not in retired)
                  if t is not None]
         if not times:
-            raise StalledError(f"{self.outstanding} requests outstanding but no simulated event is scheduled")
+            raise StalledError(f"{self.open_groups} groups open but no simulated event is scheduled")
         now = self._clock.now()
         self._clock.advance_to(max(now, min(times)))  # type: ignore[attr-defined]
-
-    def _release(self, rid: str) -> int:
-        i = self._owner.pop(rid)
-        self.placements[rid][-1][2] = self._clock.now()
-        self._load[i] -= 1
-        self._prompt_tokens[i] -= self._tokens_of.pop(rid)
-        return i
-
-    def _account(self) -> None:
-        now = self._clock.now()
-        self._busy_slot_seconds += sum(self._load) * (now - self._last)
-        self._last = now

@@ -16,12 +16,12 @@ matter because the key is the row, not its position.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from rollpacker.sample import Prompt, Sample
+from rollpacker.sample import Prompt
 from rollpacker.scheduler.config import HistoryConfig
 from rollpacker.scheduler.round import RoundKind, RoundResult
 
@@ -118,12 +118,12 @@ class PromptHistory:
     def observe(self, result: RoundResult) -> None:
         """Record what ``result`` showed about every prompt it launched."""
         kept_outcome = Outcome.SHORT if result.kind is RoundKind.SHORT else Outcome.LONG
-        if result.kind is RoundKind.SHORT and result.groups:
-            self._closings = [*self._closings, max(s.num_response_tokens for s in result.samples)]
+        if result.kind is RoundKind.SHORT and result.kept:
+            self._closings = [*self._closings, max(max(g.lengths) for g in result.kept)]
             self._closings = self._closings[-self.cfg.cutoff_rounds:]
             self._score_probes(result)
-        for group in result.groups:
-            self._record(group[0].prompt, kept_outcome, _longest(group), _slowest_score(group))
+        for group in result.kept:
+            self._record(group.prompt, kept_outcome, max(group.lengths), group.slowest_score)
         for prompt, tokens in zip(result.filtered, result.filtered_tokens):
             self._record(prompt, Outcome.FILTERED, tokens, 0.0)
         for prompt in result.deferred:
@@ -146,7 +146,7 @@ class PromptHistory:
         prompt), took longer than ``margin`` x the closing length."""
         threshold = self.cfg.margin * self.cutoff
         outcomes = {(p.uid, p.epoch): True for p in result.deferred}
-        outcomes.update(((g[0].prompt.uid, g[0].prompt.epoch), _longest(g) > threshold) for g in result.groups)
+        outcomes.update(((g.prompt.uid, g.prompt.epoch), max(g.lengths) > threshold) for g in result.kept)
         outcomes.update(((p.uid, p.epoch), n > threshold) for p, n in zip(result.filtered, result.filtered_tokens))
         keep = 1 - 1 / PROBE_MEMORY
         for key in self._probes & outcomes.keys():
@@ -167,12 +167,3 @@ class PromptHistory:
                 self._cols[name] = col
         for name, value in (("outcome", outcome), ("length", length), ("epoch", prompt.epoch), ("score_s", score_s)):
             self._cols[name][uid] = value
-
-
-def _longest(group: Sequence[Sample]) -> int:
-    return max(s.num_response_tokens for s in group)
-
-
-def _slowest_score(group: Sequence[Sample]) -> float:
-    return max(((s.scored_at or 0.0) - (s.finished_at or 0.0) for s in group if s.scored_at is not None),
-               default=0.0)

@@ -38,8 +38,10 @@ class ScoreFuture(Protocol):
 
 
 class RewardSink(Protocol):
-    def submit(self, sample: Sample) -> ScoreFuture:
-        """Start scoring a finished response; must not block on the score."""
+    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> ScoreFuture:
+        """Start scoring a finished response; must not block on the score. ``key`` names the prompt
+        whose code timeouts apply (None: one derived from its tests), ``adapt`` whether the outcome
+        may adapt them (an eval's may not)."""
 
 
 @runtime_checkable
@@ -54,19 +56,15 @@ class EventSource(Protocol):
     def next_event_time(self) -> float | None: ...
 
 
-@runtime_checkable
-class Announcing(Protocol):
-    """A remote engine whose server pushes its completions to a bell shared with others
-    (``coordinator.Bell``): the driver takes them from there instead of polling it, and waits on
-    the bell rather than on an engine. ``bell`` None: polled on every sweep like any engine."""
+class RemoteRace(Protocol):
+    """The race of an engine that another rank serves (``coordinator.RemoteRace``): its server
+    pushes the race's news to a bell shared with the round's other remote races, where the driver
+    takes it, and ``begin`` sends a call and returns what waits for its reply, so that a driver
+    reaches N engines in about one round trip, not N."""
 
     bell: Any
 
-
-
-@runtime_checkable
-class Pipelined(Protocol):
-    """An engine reached over a channel whose calls can overlap: ``begin`` sends one and returns
-    what waits for its reply, so a driver reaches N engines in about one round trip, not N."""
-
     def begin(self, method: str, *args: Any) -> Callable[[], Any]: ...
+
+    def check_alive(self) -> None:
+        """Raises if the serving rank has gone."""

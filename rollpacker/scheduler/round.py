@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
-from rollpacker.sample import Prompt, Sample
+from rollpacker.sample import Prompt, Sample, SampleGroup
 
 
 def over_launch(eta: float, n: int) -> int:
@@ -92,12 +94,17 @@ class RequestTrace:
 
 @dataclass
 class RoundTrace:
-    """Every request of a round, for the completions table and the rollout Gantt."""
+    """Every request of a round, for the completions table and the rollout Gantt. ``requests`` (in
+    launch order) is made from ``build`` when first read: a cluster's round has tens of thousands."""
     engines: int
-    requests: list[RequestTrace]  # launch order
+    build: Callable[[], list[RequestTrace]]
     closed_at: float  # the round's rollout ended (its last requests aborted)
     handoff_at: float | None = None  # engines left for the stream trainer (None: none did)
     released: tuple[int, ...] = ()  # the engines that left
+
+    @functools.cached_property
+    def requests(self) -> list[RequestTrace]:
+        return self.build()
 
 
 @dataclass
@@ -105,7 +112,7 @@ class RoundResult:
     index: int
     kind: RoundKind
     tp: int
-    groups: list[list[Sample]]  # P0 groups of R0 scored samples, in completion order
+    kept: list[SampleGroup]  # P0 groups of R0 scored samples, in completion order (packed until read)
     filtered: list[Prompt] = field(default_factory=list)
     filtered_tokens: list[int] = field(default_factory=list)  # each filtered group's longest response
     deferred: list[Prompt] = field(default_factory=list)  # in launch order, now at the back of the queue
@@ -113,5 +120,14 @@ class RoundResult:
     trace: RoundTrace | None = None
 
     @property
+    def groups(self) -> list[list[Sample]]:
+        """The kept groups' samples (unpacked on first read)."""
+        return [g.samples for g in self.kept]
+
+    @property
     def samples(self) -> list[Sample]:
-        return [s for group in self.groups for s in group]
+        return [s for g in self.kept for s in g.samples]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g) for g in self.kept)

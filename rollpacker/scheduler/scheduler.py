@@ -81,9 +81,11 @@ class Scheduler:
                                   n_responses=spec.n_responses, target_groups=self.cfg.p0)
         return self._pending
 
-    def run_round(self, plan: RoundPlan, engines: Sequence[RolloutEngine], reward: RewardSink, *, clock: Clock,
+    def run_round(self, plan: RoundPlan, engines: Sequence[RolloutEngine | object], reward: RewardSink | None, *,
+                  clock: Clock,
                   on_group_done: GroupCallback | None = None, handoff: HandoffPolicy | None = None) -> RoundResult:
-        """Run ``plan`` to P0 kept groups; ``on_group_done(group)`` fires as each
+        """Run ``plan`` to P0 kept groups over ``engines`` (in-process ones, raced here and scored
+        by ``reward``, and remote races); ``on_group_done(group)`` fires as each
         group is kept (after the reward stage in synchronous-reward mode).
         ``handoff``: in a long round, when and which engines go to the stream trainer."""
         if plan is not self._pending:
@@ -91,14 +93,15 @@ class Scheduler:
         if len(engines) * plan.tp != self.rollout_ranks:
             raise ValueError(f"round {plan.index} plans TP {plan.tp} over {self.rollout_ranks} rollout ranks, "
                              f"i.e. {self.rollout_ranks // plan.tp} engines; got {len(engines)}")
-        driver = EngineDriver(engines, clock, idle_poll_s=self.cfg.idle_poll_s, event_sources=[reward])
+        trigger = (HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, len(engines))
+                   if handoff is not None and plan.kind is RoundKind.LONG else None)
+        driver = EngineDriver(engines, clock, reward=reward, idle_poll_s=self.cfg.idle_poll_s, event_sources=[reward],
+                              progress=trigger is not None)
         runner = RoundRunner(
             plan, r0=self.cfg.r0, driver=driver, reward=reward, clock=clock, sampling=self.sampling,
             async_reward=self.async_reward, keeps=self.policy.keeps,
             replacement=lambda: self.policy.replacement(plan.kind, self.queue, self.source),
-            on_group_done=on_group_done,
-            handoff=(HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, len(engines))
-                     if handoff is not None and plan.kind is RoundKind.LONG else None))
+            on_group_done=on_group_done, handoff=trigger)
         with _no_collection_during_the_round():
             result = runner.run()
         self._pending = None
@@ -107,7 +110,7 @@ class Scheduler:
             self.history.observe(result)
         result.stats.queue_length = len(self.queue)
         s = result.stats
-        self.planner.observe(plan.kind, s.preemptions, s.batch_tokens / max(1, len(result.samples)))
+        self.planner.observe(plan.kind, s.preemptions, s.batch_tokens / max(1, result.num_samples))
         for key, n in zip(_COUNTERS, (1, s.launched_prompts, s.kept_prompts, s.filtered_prompts, s.deferred_prompts)):
             self.counters[key] += n
         return result

@@ -41,7 +41,7 @@ class SimRewardSink:
         self.clock, self.reward_fn, self.latency_fn = clock, reward_fn, latency_fn
         self._ready: list[float] = []
 
-    def submit(self, sample: Sample) -> _SimFuture:
+    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> _SimFuture:
         ready_at = self.clock.now() + self.latency_fn(sample)
         heapq.heappush(self._ready, ready_at)
         reward = float(self.reward_fn(sample))

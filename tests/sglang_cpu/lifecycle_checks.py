@@ -77,7 +77,57 @@ def lifecycle_checks(eng, prompts, want) -> dict:
         True if not leftover else f"poll returned {[c.request_id for c in leftover]} after abort_all")
     verdict["greedy_after_release_resume_matches_transformers"] = compare(
         "after abort, release and resume", backend_generate(eng, "c", prompts), want)
+    verdict["doorbell_rings_once_a_request_finishes"] = doorbell_check(eng, prompts[0])
+    progress("doorbell_rings_once_a_request_finishes", verdict["doorbell_rings_once_a_request_finishes"])
+    verdict["evicted_then_resumed_equals_greedy"] = evict_resume_check(eng, prompts)
+    progress("evicted_then_resumed_equals_greedy", verdict["evicted_then_resumed_equals_greedy"])
     return verdict
+
+
+def evict_resume_check(eng, prompts) -> bool | str:
+    """Migration by recompute on the real engine (a stream trainer's hand-off): requests evicted
+    mid-decode come back with their tokens so far, and resubmitted with them they end as the greedy
+    outputs of requests that never moved."""
+    from engine_checks import backend_generate, compare
+    from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, SamplingParams
+
+    want = backend_generate(eng, "stay", prompts, max_new_tokens=LONG_TOKENS)
+    params = SamplingParams(temperature=0.0, max_new_tokens=LONG_TOKENS)
+    requests = {f"move-{i}": GenerationRequest(f"move-{i}", ids, params) for i, ids in enumerate(prompts)}
+    eng.submit(list(requests.values()))
+    wait_until_running(eng, len(prompts))
+    time.sleep(0.2)  # a few tokens in: the resumed part is not the whole output
+    handed = eng.evict(list(requests))
+    partial = [c for c in handed if c.finish_reason == FINISH_EVICTED]
+    done = {c.request_id: list(c.output_ids) for c in handed if c.finish_reason != FINISH_EVICTED}
+    if not partial or not any(len(c.output_ids) for c in partial):
+        return f"no request was evicted mid-decode: {[(c.request_id, c.finish_reason, len(c.output_ids)) for c in handed]}"
+    eng.submit([requests[c.request_id].resumed_from(c) for c in partial])
+    deadline = time.monotonic() + 120
+    while len(done) < len(prompts) and time.monotonic() < deadline:
+        done.update((c.request_id, list(c.output_ids)) for c in eng.poll(timeout=1.0))
+    return compare("evicted, then resumed", [done.get(f"move-{i}", []) for i in range(len(prompts))], want)
+
+
+def doorbell_check(eng, prompt) -> bool | str:
+    """The engine's ready descriptor (its host writes to it per result) turns readable once a
+    request finishes, without a poll, and a poll reads it empty: a server sleeps on it instead of
+    polling the host (``EngineServer.serve``)."""
+    import select
+
+    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+
+    fd = eng.ready_fd()
+    if fd is None:
+        return "the SGLang engine has no ready descriptor"
+    if select.select([fd], [], [], 0)[0]:
+        return "the ready descriptor was readable with no request in flight"
+    eng.submit([GenerationRequest("bell", prompt, SamplingParams(temperature=0.0, max_new_tokens=8))])
+    rang = bool(select.select([fd], [], [], 120)[0])
+    done = [c.request_id for c in eng.poll(0.0)]
+    quiet = not select.select([fd], [], [], 0)[0]
+    return True if rang and done == ["bell"] and quiet else (
+        f"rang: {rang}; the poll after it returned {done}; read empty by that poll: {quiet}")
 
 
 def start_under_torchrun(start, verdict: dict):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Sequence
 
-from rollpacker.sample import Prompt, Sample
+from rollpacker.sample import Prompt, SampleGroup
 from rollpacker.scheduler.admission import FreshAdmission
 from rollpacker.scheduler.config import SchedulerConfig
 from rollpacker.scheduler.protocols import PromptSource
@@ -40,7 +39,7 @@ class RoundPolicy(abc.ABC):
     def next_round(self, queue: LongPromptQueue, source: PromptSource) -> RoundSpec:
         """Take the next round's prompts from the queue or the source."""
 
-    def keeps(self, group: Sequence[Sample]) -> bool:
+    def keeps(self, group: SampleGroup) -> bool:
         """Whether a complete, scored group joins the batch (False: filtered, counted)."""
         return True
 

@@ -12,9 +12,8 @@ rewards during the race, so this mode requires asynchronous reward.
 """
 from __future__ import annotations
 
-from typing import Sequence
 
-from rollpacker.sample import Prompt, Sample
+from rollpacker.sample import Prompt, SampleGroup
 from rollpacker.scheduler.modes.tail_batching import TailBatchingPolicy
 from rollpacker.scheduler.protocols import PromptSource
 from rollpacker.scheduler.queue import LongPromptQueue
@@ -22,8 +21,8 @@ from rollpacker.scheduler.round import RoundKind
 
 
 class DynamicSamplingPolicy(TailBatchingPolicy):
-    def keeps(self, group: Sequence[Sample]) -> bool:
-        return len({s.reward for s in group}) > 1
+    def keeps(self, group: SampleGroup) -> bool:
+        return len(set(group.rewards)) > 1
 
     def replacement(self, kind: RoundKind, queue: LongPromptQueue, source: PromptSource) -> Prompt | None:
         if kind is RoundKind.LONG and len(queue):
