@@ -362,18 +362,24 @@ def control(r: dict[str, Any]) -> str:
             "| messages per round | per modeled s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = [f"{s['model']}, {s['limit'] // 1024}k limit, P0 = 2 × engines, R0 = {s['r0']}, "
              f"{s['responses_per_prompt']} responses launched per prompt (32 requests per engine), {s['rounds']} "
-             f"rounds per size replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
+             f"rounds per size{_warmup(s)} replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
              f"{provenance(r)}:", "", *head, *rows(r)]
     if "before" in r:
         lines += ["", f"Before the fix ({r['before']['note']}; {provenance(r['before'])}):", "", *head,
                   *rows(r["before"])]
     lines += ["", "Rank 0 CPU: this process's (scheduler, channel, reward dispatch and their threads), the replay's "
                   "plus its idle wake-ups over the rest of the modeled round at real speed. The round as replayed "
-                  "is longer than the model's when rank 0 (or this machine) could not keep up; completions then "
-                  "reach rank 0 in larger batches than at real speed, so its pushes per round are a lower bound "
-                  "(at most one per request). Launch → engine: from the round's launch to the request reaching "
-                  "its engine's server, in wall seconds of the replay."]
+                  "is longer than the model's when rank 0 (or this machine) could not keep up. Messages: rank 0's "
+                  "calls to the engines it does not race itself (each with its reply) and the pushes it received. "
+                  "Launch → engine: from the round's launch to the request reaching its engine, in wall seconds "
+                  "of the replay."]
     return "\n".join(lines)
+
+
+def _warmup(settings: dict[str, Any]) -> str:
+    """Runs that measured their first round, before ``--warmup`` existed, say nothing."""
+    n = settings.get("warmup", 0)
+    return f" after {n} warm-up round{'s' * (n != 1)} (a fresh process pays its first round's page faults)" if n else ""
 
 
 def _threads(size: dict[str, Any]) -> str:

@@ -70,16 +70,31 @@ _PACKED_FIELDS = ("response_index", "response_ids", "rollout_logprobs", "finish_
 
 
 class SampleGroup:
-    """One prompt's group of scored responses (GRPO's unit) as it travels: from the engine that raced
-    it to the coordinator, on to the trainers. Between processes it crosses packed, its samples one
-    bytes object with their tokens as arrays, and is unpacked only where its samples are read: the
+    """One prompt's group of scored responses (GRPO's unit) as it travels: from the engines that raced
+    it to the coordinator, on to the trainers. Between processes it crosses packed, its samples as
+    bytes with their tokens in arrays, and is unpacked only where its samples are read: the
     coordinator, which forwards groups, makes no object per sample. What the scheduler reads of a
-    group travels beside it: its rewards, response lengths and slowest scoring."""
+    group travels beside it: its rewards, response lengths and slowest scoring. A group raced in
+    parts on several engines is their ``joined`` whole, still packed."""
 
-    def __init__(self, prompt: Prompt | None, samples: list[Sample]):
-        self._prompt, self._samples, self._packed = prompt, samples, None
-        self._rewards = self._lengths = ()
+    def __init__(self, prompt: Prompt | None, samples: list[Sample] | None):
+        self._prompt, self._samples = prompt, samples
+        self._packed: list[bytes] = []  # the samples' fields, a pickled list per part, while unpacked is None
+        self._rewards: tuple = ()
+        self._lengths: tuple = ()
         self._slowest_score = 0.0
+
+    @classmethod
+    def joined(cls, parts: Sequence["SampleGroup"]) -> "SampleGroup":
+        """One group of ``parts`` (each with the prompt or none), in their order, without unpacking them."""
+        if all(p._samples is not None for p in parts):
+            return cls(parts[0].prompt, [s for p in parts for s in p._samples])
+        group = cls(parts[0].prompt, None)
+        group._packed = [b for p in parts for b in p._pack()]
+        group._rewards = tuple(r for p in parts for r in p.rewards)
+        group._lengths = tuple(n for p in parts for n in p.lengths)
+        group._slowest_score = max(p.slowest_score for p in parts)
+        return group
 
     @property
     def prompt(self) -> Prompt | None:
@@ -95,7 +110,8 @@ class SampleGroup:
     @property
     def samples(self) -> list[Sample]:
         if self._samples is None:
-            self._samples = [Sample(self._prompt, *fields) for fields in pickle.loads(self._packed)]
+            self._samples = [Sample(self._prompt, *fields) for part in self._packed for fields in pickle.loads(part)]
+            self._packed = []
         return self._samples
 
     @property
@@ -121,20 +137,20 @@ class SampleGroup:
         """The same group without its prompt, for the coordinator that launched it."""
         return _unpacked_group(None, self.rewards, self.lengths, self.slowest_score, self._pack())
 
-    def _pack(self) -> bytes:
-        if self._packed is None or self._samples is not None:  # unpacked samples may have changed
-            self._packed = pickle.dumps([tuple(packed("i", v) if f == "response_ids" else packed("d", v)
-                                               if f == "rollout_logprobs" else v
-                                               for f, v in zip(_PACKED_FIELDS, map(s.__dict__.get, _PACKED_FIELDS)))
-                                         for s in self._samples], pickle.HIGHEST_PROTOCOL)
-        return self._packed
+    def _pack(self) -> list[bytes]:
+        if self._samples is None:
+            return self._packed
+        return [pickle.dumps([tuple(packed("i", v) if f == "response_ids" else packed("d", v)
+                                    if f == "rollout_logprobs" else v
+                                    for f, v in zip(_PACKED_FIELDS, map(s.__dict__.get, _PACKED_FIELDS)))
+                              for s in self._samples], pickle.HIGHEST_PROTOCOL)]
 
     def __reduce__(self):
         return _unpacked_group, (self._prompt, self.rewards, self.lengths, self.slowest_score, self._pack())
 
 
 def _unpacked_group(prompt: Prompt | None, rewards: tuple, lengths: tuple, slowest_score: float,
-                    data: bytes) -> SampleGroup:
+                    data: list[bytes]) -> SampleGroup:
     group = SampleGroup(prompt, None)
     group._packed, group._rewards, group._lengths, group._slowest_score = data, rewards, lengths, slowest_score
     return group

@@ -214,13 +214,14 @@ def remote(port: int, engine_id: int, timeout_s: float, bell: Bell | None = None
     return RemoteRace(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id, bell, timeout_s=timeout_s)
 
 
-def group(key: int, prefix: str, n: int = 1):
-    """A group of ``n`` responses to a one-token prompt, complete once all are generated (unscored)."""
+def group(key: int, prefix: str, n: int = 1, r0: int | None = None):
+    """A group of ``n`` responses to a one-token prompt, complete once ``r0`` (all) are generated
+    (unscored)."""
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.sample import Prompt
     from rollpacker.scheduler.group_race import GroupLaunch
 
-    return GroupLaunch(key, Prompt(uid=key, input_ids=[1], data_source="t"), n, n, prefix, prefix,
+    return GroupLaunch(key, Prompt(uid=key, input_ids=[1], data_source="t"), n, r0 or n, prefix, prefix,
                        SamplingParams(), scored=False)
 
 
@@ -381,8 +382,8 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         launch(second, 1, "c")
         next_round = taken(second)
         launch(second, 2, "e")  # complete and pushed: not handed back
-        second.launch([group(3, "slow", n=2)])  # still generating: handed back with its tokens
-        handed = second.retire([0])
+        second.launch([group(3, "slow", n=2, r0=1)])  # its two responses race on: handed back with their tokens
+        handed, _ = proxy.retire()  # what the driver's retire gets from the server
         after_retire = taken(second)
     finally:
         proxy.shutdown()
@@ -390,12 +391,12 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         server.kill()
         server.wait()
     print(f"taken in the round: {in_round}; in the next round: {next_round}; handed back by the retire: "
-          f"{[(g.key, sorted(g.partial)) for g in handed]}, then taken: {after_retire}; pushes received: "
+          f"{[(g.request_prefix, sorted(g.partial)) for g in handed]}, then taken: {after_retire}; pushes received: "
           f"{bell.received}")
     assert in_round == [(0, [0])]  # from the server's first engine
     assert next_round == [(1, [1])], "the last round's group c was taken in the next"
-    assert [(g.key, {r: list(c.output_ids) for r, c in g.partial.items()}) for g in handed] == \
-        [(3, {0: [1, 1], 1: [1, 1]})]
+    assert [(g.request_prefix, {r: list(c.output_ids) for r, c in g.partial.items()}) for g in handed] == \
+        [("slow", {0: [1, 1], 1: [1, 1]})]
     assert after_retire == [(2, [1])]
     assert bell.received == 4  # a, c, c again, e: each came, the stale one was dropped here
 

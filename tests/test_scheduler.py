@@ -328,31 +328,37 @@ def test_equal_lengths_give_no_speedup():
     assert seconds["baseline"] / seconds["tail_batching"] == pytest.approx(1.0, abs=0.1)
 
 
-def test_dispatch_places_each_group_whole_on_the_least_loaded_engine():
-    """A group's responses all go to one engine (it races them there); groups go where the fewest
-    requests are outstanding, so equal work finishes together."""
+def test_dispatch_races_a_group_on_one_engine_and_spreads_one_that_does_not_race():
+    """A group whose responses race (r0 of more) goes whole to the least loaded engine, which races
+    it; one whose responses all count goes a response per engine and comes back joined. Groups go
+    where the fewest requests are outstanding, so equal work finishes together."""
     clock = VirtualClock()
     perf = PerfModel(TINY, H800, 1)
     engines = [RecordingEngine(perf, clock, lambda req: 10, engine_id=i) for i in range(3)]
     driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
     params = SamplingParams(max_new_tokens=64)
-    sizes = [4, 4, 4, 2, 2, 2, 1]
-    groups = [GroupLaunch(k, Prompt(uid=k, input_ids=[1] * 8, data_source="t"), n, n, f"p{k}e0r", f"{k}:", params)
+    sizes = [4, 4, 4, 2, 2, 2]  # racing: r0 = n - 1
+    groups = [GroupLaunch(k, Prompt(uid=k, input_ids=[1] * 8, data_source="t"), n, n - 1, f"p{k}e0r", f"{k}:", params)
               for k, n in enumerate(sizes)]
+    groups.append(GroupLaunch(6, Prompt(uid=6, input_ids=[1] * 8, data_source="t"), 3, 3, "p6e0r", "6:", params))
     assert driver.launch(groups) == len(groups)
     held = [{rid.split("r")[0] for rid in e.submitted} for e in engines]
-    assert sorted(len(e.submitted) for e in engines) == [6, 6, 7]  # 19 requests over 3 engines
-    assert sum(map(len, held)) == len(groups), "a group was split over engines"
+    assert sorted(len(e.submitted) for e in engines) == [7, 7, 7]  # 21 requests over 3 engines
+    assert sum(uid != "p6e0" for h in held for uid in h) == 6, "a racing group was split over engines"
+    assert all("p6e0" in h for h in held), "the group that does not race was not spread"
     done = []
     while driver.open_groups:
         for _, news in driver.poll():
             done += news.done
     driver.end()
     assert sorted(d.key for d in done) == list(range(len(groups)))
-    assert all(d.group.lengths == (10,) * sizes[d.key] for d in done)
+    assert all(len(d.group) == groups[d.key].r0 and set(d.group.lengths) == {10} for d in done)
+    assert sorted(s.response_index for d in done if d.key == 6 for s in d.group.samples) == [0, 1, 2]
     assert driver.bubble_fraction() < 0.2  # balanced engines finish close together
-    assert driver.counters() == (0, 10 * sum(sizes))
-    # a limit stops placing at the first group that fits nowhere
+    assert driver.counters() == (0, 10 * 21)
+    assert sorted(r for r, _, _ in driver.reports[0].spans[6] + driver.reports[1].spans[6]
+                  + driver.reports[2].spans[6]) == [0, 1, 2]  # the trace finds the spread group's requests
+    # a limit stops placing at the first group that does not fit
     more = [GroupLaunch(10 + k, g.prompt, g.n, g.r0, f"q{k}r", g.seed_prefix, params) for k, g in enumerate(groups)]
     driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
     assert driver.launch(more, limit=5) == 3 and driver.outstanding == 12
@@ -439,7 +445,8 @@ def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns
           f"handed off at {result.stats.handoff_fraction:.2f}")
     assert max(batches) == 20  # every short response in one poll: 0 -> 62% of the round done
     assert released == [[1]] and 0.2 <= result.stats.handoff_fraction <= 0.5
-    # groups alternate over the two engines: engine 1 held prompts 5 and 7, long, still generating
-    assert result.stats.migrated_requests == 8 and len(result.samples) == 32
+    # nothing races in a long round: each response went to the engine with the fewest outstanding,
+    # alternating, so engine 1 held two of each long prompt's (5 to 7), still generating
+    assert result.stats.migrated_requests == 6 and len(result.samples) == 32
     assert sorted(p.uid for p in prompts if any(len(t.placements) == 2 for t in result.trace.requests
-                                                 if t.sample.prompt.uid == p.uid)) == [5, 7]
+                                                 if t.sample.prompt.uid == p.uid)) == [5, 6, 7]

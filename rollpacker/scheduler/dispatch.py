@@ -16,20 +16,31 @@ where each request ran, the engines' busy slots, preemptions and generated token
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
+import itertools
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from rollpacker.rollout.engine import EngineStats, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
-from rollpacker.scheduler.group_race import GroupLaunch, GroupRace, RaceNews, RaceReport
+from rollpacker.sample import SampleGroup
+from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, GroupRace, RaceNews, RaceReport
 from rollpacker.scheduler.protocols import EventSource, RewardSink
 
 # a remote race's server is checked for a hang-up after this long without news: a dead rank
 # pushes nothing, and its socket's hang-up is only seen when looked at
 _LIVENESS_AFTER_S = 5.0
+
+
+@dataclass
+class _Assembly:
+    """An open group: how many parts it was placed in, those done so far."""
+    expected: int
+    parts: list[SampleGroup] = field(default_factory=list)
 
 
 class StalledError(RuntimeError):
@@ -74,8 +85,12 @@ class EngineDriver:
         self._pipelined = set(remote)  # a remote race's calls are sent before any reply is awaited
         self._last_news = time.monotonic()
         self._next_blocking = 0
-        self._placed: dict[int, int] = {}  # open group key -> engine index
-        self._group_tokens: dict[int, int] = {}  # open group key -> its prompt tokens over its responses
+        self._part_keys = itertools.count()
+        self._part_group: dict[int, int] = {}  # part key -> its group's key
+        self._open: dict[int, _Assembly] = {}  # open group key -> its parts done so far
+        self._placed: dict[int, int] = {}  # open part key -> engine index
+        self._part_tokens: dict[int, int] = {}  # open part key -> its prompt tokens over its responses
+        self._outbox: dict[int, list[GroupLaunch]] = defaultdict(list)  # parts placed, not yet sent
         self._load = [0] * len(engines)  # outstanding requests per engine (as it last told)
         self._tokens = [0] * len(engines)  # outstanding prompt tokens per engine
         self._retired: dict[int, float] = {}  # engine -> when it left the round
@@ -91,7 +106,7 @@ class EngineDriver:
     @property
     def open_groups(self) -> int:
         """Groups launched and not yet reported complete."""
-        return len(self._placed)
+        return len(self._open)
 
     @property
     def outstanding(self) -> int:
@@ -99,47 +114,42 @@ class EngineDriver:
         return sum(self._load)
 
     def launch(self, groups: Iterable[GroupLaunch], limit: int | None = None) -> int:
-        """Place each group whole on the engine with the fewest outstanding requests (then prompt
-        tokens) and send each engine its groups in one call. ``limit``: no engine is given more
-        than that many outstanding requests; placing stops at the first group that fits nowhere.
-        Returns how many groups were placed."""
-        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._tokens))
-                if i not in self._retired]
-        heapq.heapify(heap)
-        batches: dict[int, list[GroupLaunch]] = defaultdict(list)
+        """Place each group and send each engine its share in one call. A group whose responses race
+        (r0 of more) goes whole to the engine with the fewest outstanding requests (then prompt
+        tokens): its race runs there. A group whose responses all count (a long round's, a
+        baseline's, an eval's) goes in parts of one response, each placed so: its slowest responses
+        then decode on several engines, not all on one (on the simulator's published settings,
+        whole groups made long rounds 3-9% longer). ``limit``: no engine is given more than that
+        many outstanding requests; placing stops at the first group that does not fit. Returns how
+        many groups were placed."""
         placed = 0
         for g in groups:
-            if g.key in self._placed:
+            if g.key in self._open:
                 raise ValueError(f"group {g.key} is already open")
-            load, toks, i = heap[0]
-            n = g.n - len(g.ready) - len(g.unscored)
-            if limit is not None and load + n > limit:
+            parts = self._parts(g)
+            if not self._place(parts, limit):
                 break
-            tokens = n * len(g.prompt.input_ids)
-            heapq.heapreplace(heap, (load + n, toks + tokens, i))
-            batches[i].append(g)
-            self._placed[g.key], self._group_tokens[g.key] = i, tokens
-            self._load[i] += n
-            self._tokens[i] += tokens
+            self._open[g.key] = _Assembly(len(parts))
+            for part in parts:
+                self._part_group[part.key] = g.key
             placed += 1
-        self._each((i, "launch", batch) for i, batch in batches.items())
+        self._send()
         return placed
 
     def poll(self) -> list[tuple[int, RaceNews]]:
-        """Advance the engines; each engine's news since the last poll, as (engine index, news)."""
+        """Advance the engines; each engine's news since the last poll, as (engine index, news), its
+        completed parts joined into the groups they complete."""
         news, self._backlog = self._backlog, []
         if self._virtual:
             self._advance_virtual_clock()
         news += self._step_local(0.0)
-        if not news and self._placed:
+        if not news and self._open:
             news = self._wait()
         elif self._bell is not None:
             news += self._bell.collect()
         for i, n in news:
             self._load[i] = n.open
-            for done in n.done:
-                if self._placed.pop(done.key, None) is not None:
-                    self._tokens[i] -= self._group_tokens.pop(done.key)
+            n.done = [done for part in n.done if (done := self._complete(i, part)) is not None]
         if news:
             self._last_news = time.monotonic()
         return news
@@ -160,21 +170,25 @@ class EngineDriver:
         else:
             time.sleep(self._idle_poll_s)
 
-    def retire(self, indices: Sequence[int]) -> list[GroupLaunch]:
-        """Take engines out of the round: their open groups are handed back with what they have,
-        to be launched on the engines that stay; they get no more work and are not called again."""
+    def retire(self, indices: Sequence[int]) -> tuple[int, int]:
+        """Take engines out of the round: they get no more work and are not called again; their open
+        groups (or parts) go, with what they have, to the engines that stay. Returns (requests
+        carried over mid-generation, the tokens they had generated)."""
         handed: list[GroupLaunch] = []
         for i in indices:
             states, report = self._races[i].retire()
-            self.reports[i] = report
+            self.reports[i] = self._by_group(report)
             self._backlog += [(i, n) for n in report.undelivered]
             self._retired[i] = self._clock.now()
-            for g in states:
-                del self._placed[g.key]
-                self._tokens[i] -= self._group_tokens.pop(g.key)
+            for part in states:
+                del self._placed[part.key]
+                self._tokens[i] -= self._part_tokens.pop(part.key)
             self._load[i] = 0
             handed += states
-        return handed
+        self._place(handed, None)
+        self._send()
+        moved = [part.migrated() for part in handed]
+        return sum(r for r, _ in moved), sum(t for _, t in moved)
 
     def stats(self) -> list[EngineStats]:
         """Each engine's stats; a retired engine reports nothing in use and no capacity."""
@@ -185,11 +199,12 @@ class EngineDriver:
     def end(self) -> None:
         """End every race still in the round: what is left is aborted and each reports."""
         live = [i for i in range(len(self._races)) if i not in self._retired]
-        self.reports.update(zip(live, self._each((i, "end") for i in live)))
+        self.reports.update(zip(live, map(self._by_group, self._each((i, "end") for i in live))))
         self._ended_at = self._clock.now()
         if self._bell is not None:
             self._bell.watch([])
         self._placed.clear()
+        self._open.clear()
         self._load = [0] * len(self._races)
 
     def bubble_fraction(self) -> float:
@@ -209,6 +224,62 @@ class EngineDriver:
         return self._retired.get(i)
 
     # --- internals ---------------------------------------------------------------------------------
+    def _parts(self, g: GroupLaunch) -> list[GroupLaunch]:
+        """What of ``g`` each engine races: all of it, or (no race among its responses) one response a part."""
+        def part(**changes) -> GroupLaunch:  # with containers of its own: a race fills them on a retire
+            return dataclasses.replace(g, key=next(self._part_keys), ready=[], unscored=[], partial={}, **changes)
+
+        if g.ready or g.unscored or g.partial:
+            raise ValueError(f"group {g.key} arrives with responses done: only a retire carries those over")
+        return [part()] if g.r0 < g.n else [part(responses=(r,), r0=1) for r in g.indices]
+
+    def _place(self, parts: list[GroupLaunch], limit: int | None) -> bool:
+        """Put each part on the least loaded engine that stays (all of them, or none where one would
+        go past ``limit``); their calls wait for ``_send``."""
+        heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._tokens))
+                if i not in self._retired]
+        heapq.heapify(heap)
+        where = []
+        for part in parts:
+            load, toks, i = heap[0]
+            n = len(part.indices) - len(part.ready) - len(part.unscored)
+            if limit is not None and load + n > limit:
+                return False
+            tokens = n * len(part.prompt.input_ids)
+            heapq.heapreplace(heap, (load + n, toks + tokens, i))
+            where.append((part, i, n, tokens))
+        for part, i, n, tokens in where:
+            self._outbox[i].append(part)
+            self._placed[part.key], self._part_tokens[part.key] = i, tokens
+            self._load[i] += n
+            self._tokens[i] += tokens
+        return True
+
+    def _send(self) -> None:
+        outbox, self._outbox = self._outbox, defaultdict(list)
+        self._each((i, "launch", parts) for i, parts in outbox.items())
+
+    def _complete(self, engine: int, done: GroupDone) -> GroupDone | None:
+        """A part is done: its group, when that was its last open part (None: not yet, or reported before)."""
+        if self._placed.pop(done.key, None) is None:
+            return None
+        self._tokens[engine] -= self._part_tokens.pop(done.key)
+        key = self._part_group[done.key]
+        group = self._open[key]
+        group.parts.append(done.group)
+        if len(group.parts) < group.expected:
+            return None
+        del self._open[key]
+        return GroupDone(key, group.parts[0] if len(group.parts) == 1 else SampleGroup.joined(group.parts))
+
+    def _by_group(self, report: RaceReport) -> RaceReport:
+        """``report`` with its spans by group (a race keys them by its parts)."""
+        spans: dict[int, list] = defaultdict(list)
+        for part, held in report.spans.items():
+            spans[self._part_group[part]] += held
+        report.spans = dict(spans)
+        return report
+
     def _step_local(self, timeout: float) -> list[tuple[int, RaceNews]]:
         out = []
         for i in self._local:

@@ -36,12 +36,12 @@ Span = tuple[int, float, float]  # (response index, submitted, released) on one 
 
 @dataclass
 class GroupLaunch:
-    """One prompt's group as the coordinator hands it to an engine's race."""
+    """One prompt's group, or a part of it, as the coordinator hands it to an engine's race."""
 
-    key: int  # the group's index in its round, launch order
+    key: int  # the group's index in its round, launch order (a part's: the driver's own)
     prompt: Prompt
-    n: int  # responses launched
-    r0: int  # ready responses that complete the group
+    n: int  # responses launched for the prompt
+    r0: int  # ready responses that complete the group (a part: all its responses)
     request_prefix: str  # response r's request id is the prefix and r
     # response r samples with seed crc32(seed_prefix + r): fixed by the run and the response alone,
     # whichever engine runs it and whatever else it runs, so a resumed run samples what the first did
@@ -50,11 +50,16 @@ class GroupLaunch:
     scored: bool = True  # a response is ready once scored (False: once generated)
     reward_key: str | None = None  # the code timeouts' prompt key (None: from the tests' content)
     adapt: bool = True  # its scores adapt the code timeouts (an eval's do not)
+    responses: tuple[int, ...] = ()  # a part's response indices (empty: all n)
     # carried over from an engine handed to the stream trainer: the ready responses in the order
     # they became ready, the finished ones not yet scored, and where the others had got to
     ready: list[Sample] = field(default_factory=list)
     unscored: list[Sample] = field(default_factory=list)
     partial: dict[int, Completion] = field(default_factory=dict)
+
+    @property
+    def indices(self) -> Sequence[int]:
+        return self.responses or range(self.n)
 
     def request_id(self, r: int) -> str:
         return f"{self.request_prefix}{r}"
@@ -106,7 +111,7 @@ class RaceReport:
 @dataclass
 class _Group:
     launch: GroupLaunch
-    samples: list[Sample]  # by response index
+    samples: dict[int, Sample]  # by response index
     ready: list[Sample]
     open: set[int] = field(default_factory=set)  # response indices outstanding on the engine
     scoring: dict[int, ScoreFuture] = field(default_factory=dict)  # by response index
@@ -142,13 +147,13 @@ class GroupRace:
         for g in groups:
             if g.key in self._groups:
                 raise ValueError(f"group {g.key} is already racing on engine {self.engine.engine_id}")
-            group = _Group(g, [Sample(prompt=g.prompt, response_index=r, submitted_at=now) for r in range(g.n)],
+            group = _Group(g, {r: Sample(prompt=g.prompt, response_index=r, submitted_at=now) for r in g.indices},
                            list(g.ready))
             carried = {s.response_index for s in (*g.ready, *g.unscored)}
             for s in (*g.ready, *g.unscored):
                 group.samples[s.response_index] = s
             input_ids = array.array("i", g.prompt.input_ids)  # once for all its responses: cheap to ship
-            for r in range(g.n):
+            for r in g.indices:
                 if r not in carried:
                     request = GenerationRequest(g.request_id(r), input_ids, g.params.with_seed(g.seed(r)))
                     requests.append((group, r, request.resumed_from(g.partial[r]) if r in g.partial else request))

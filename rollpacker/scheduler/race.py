@@ -3,7 +3,8 @@
 The same runner serves every mode and round kind. Each launched prompt's *group* goes whole to
 one engine, whose race (group_race.py) completes it when ``r0`` of its responses have finished
 generation and, with asynchronous reward, scoring; those ``r0`` samples, in the order they
-completed, are the group, and its other requests are aborted on the spot. Here the policy keeps
+completed, are the group, and its other requests are aborted on the spot. (Where no response
+races, r0 of r0, the driver spreads a group's responses over engines and joins them.) Here the policy keeps
 the group or filters it (then a replacement may be launched). When ``target_groups`` groups are
 kept the round closes: every engine aborts what it still runs (partial tokens discarded) and
 each launched prompt whose group had not been reported complete is deferred, in launch order —
@@ -12,8 +13,8 @@ still on its way. A baseline or long round launches exactly ``r0`` responses for
 ``target_groups`` prompts, so it closes only when every response has finished.
 
 A long round may hand engines to the stream trainer midway (``handoff``, see handoff.py), checked
-at each response generated: their groups are taken back with what they have and launched on the
-engines that stay, the partial responses continuing from their tokens under the same request ids.
+at each response generated: what they still race is taken back with what it has and launched on
+the engines that stay, the partial responses continuing from their tokens under the same request ids.
 
 With synchronous reward (the "reward after rollout" ablation), a group completes on generation
 alone and the kept samples are scored in one stage after the round closes; ``on_group_done``
@@ -109,13 +110,8 @@ class RoundRunner:
         released = self.handoff.decide(*self.finished, running=self.driver.outstanding, stats=self.driver.stats)
         if not released:
             return
-        states = self.driver.retire(released)
+        self.migrated = list(self.driver.retire(released))
         self.handed_off = (self.clock.now(), tuple(released))
-        for g in states:
-            requests, tokens = g.migrated()
-            self.migrated[0] += requests
-            self.migrated[1] += tokens
-        self.driver.launch(states)
         self.handoff.policy.on_release(released)
 
     def _group_done(self, done: GroupDone) -> None:
