@@ -173,9 +173,9 @@ class SGLangDriver:
                 self._active.pop(item.request_id, None)
                 self._stats.tokens_generated += len(item.output_ids)
         self._update_busy()
-        if failures:  # the completions are not lost: they come back with the next poll
+        if failures:  # the completions are not lost: they come back with the next poll, which a ring wakes
             for c in done:
-                self._results.put(c)
+                self._result(c)
             raise RequestError("; ".join(f"request {f.request_id!r}: sglang failed it: {f.error!r}"
                                          for f in failures), [f.request_id for f in failures])
         return done
@@ -222,7 +222,7 @@ class SGLangDriver:
                                f"{sorted(self._evicting)} within {timeout_s}s") from None
         finally:
             for item in others:
-                self._results.put(item)
+                self._result(item)
         self._update_busy()
         return handed
 

@@ -120,8 +120,14 @@ def doorbell_check(eng, prompt) -> bool | str:
     fd = eng.ready_fd()
     if fd is None:
         return "the SGLang engine has no ready descriptor"
+    # The host rings after it queues a result, so a poll may take a result whose ring lands after the
+    # poll's drain: a ring may be spurious (a server's poll then finds nothing), never missing. One
+    # poll with nothing in flight reads those late rings; after it the descriptor must stay quiet.
+    stray = eng.poll(0.0)
+    if stray:
+        return f"a poll with nothing in flight returned {[c.request_id for c in stray]}"
     if select.select([fd], [], [], 0)[0]:
-        return "the ready descriptor was readable with no request in flight"
+        return "the ready descriptor was readable after a poll, with no request in flight"
     eng.submit([GenerationRequest("bell", prompt, SamplingParams(temperature=0.0, max_new_tokens=8))])
     rang = bool(select.select([fd], [], [], 120)[0])
     done = [c.request_id for c in eng.poll(0.0)]
