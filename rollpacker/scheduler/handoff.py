@@ -48,7 +48,6 @@ class HandoffTrigger:
         self.limit = min(len(policy.candidates), math.floor(policy.max_share * num_engines))
         self.fired_at: float | None = None  # fraction of requests done when it fired
         self._next_check = 1
-        self._lengths_done = 0
 
     def decide(self, done: int, response_tokens: int, running: int,
                stats: Callable[[], Sequence[EngineStats]]) -> list[int]:
