@@ -34,7 +34,8 @@ import psutil
 import pytest
 
 from rollpacker.testing import REPO_ROOT
-from slurm_cluster import free_ports  # tests/ is on sys.path, as for test_slurm_launch.py
+from procgroup import kill_group  # tests/ is on sys.path, as for test_slurm_launch.py
+from slurm_cluster import free_ports
 
 
 def node_addr(index: int) -> str:
@@ -77,15 +78,14 @@ class Node:
             tree = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             tree = []
-        groups = [self.proc.pid]  # the agent's first: it must not start workers again
-        for child in tree:
+        groups = []
+        for child in tree:  # live now: their groups are theirs
             with contextlib.suppress(ProcessLookupError):
                 groups.append(os.getpgid(child.pid))
-        for group in dict.fromkeys(groups):
+        kill_group(self.proc)  # the agent's first: it must not start workers again
+        for group in dict.fromkeys(g for g in groups if g != self.proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=60)
 
 
 class Cluster:

@@ -25,6 +25,7 @@ from rollpacker.eval import EvalConfig, EvalRecord, EvalSampling, pass_at_k, sum
 from rollpacker.testing import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
+from procgroup import kill_group  # noqa: E402
 from test_train_program import FAST, POLICY  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
@@ -215,11 +216,7 @@ class Launch:
         assert self.proc.wait(timeout=300) != 0
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what a rank killed by -9 left (its reward workers)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=60)
+        kill_group(self.proc)  # and what a rank killed by -9 left (its reward workers)
 
 
 def _lines(run_dir: Path) -> list[dict]:

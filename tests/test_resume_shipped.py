@@ -46,6 +46,7 @@ from rollpacker.runtime.ledger import read_ledger
 from rollpacker.testing import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
+from procgroup import kill_group  # noqa: E402
 from test_train_program import FAST, POLICY  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
@@ -96,12 +97,7 @@ class Launch:
     def stop(self) -> None:
         """Whatever this launch started and left running: its process group (a session of its own),
         e.g. the reward workers of a rank 0 killed by -9."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=60)
+        kill_group(self.proc)
 
 
 def _state(pid: int) -> str:

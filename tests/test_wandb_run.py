@@ -121,9 +121,11 @@ def test_completions_table_agrees_with_the_ledger_and_the_step(run):
         {tuple(x) for x in ledger[2]["trained"]}
     assert lines[1]["queue_length"] == P0 and lines[1]["migrated_requests"] == 0
     # step 2, the long round: exactly R0 responses per prompt, all trained; an engine left for the
-    # stream trainer and its running requests moved to the engine that stayed
+    # stream trainer and what it still ran moved to the engine that stayed. How much that was
+    # depends on timing: on loaded cores rank 0 may hear of the leaving engine's completions only
+    # after it finished them all (the migration itself: test_scheduler's hand-off tests)
     assert {r["outcome"] for r in long} == {"trained"} and len(long) == P0 * R0
-    assert lines[2]["migrated_requests"] > 0 and 0.2 <= lines[2]["handoff_fraction"] <= 0.5
+    assert 0.2 <= lines[2]["handoff_fraction"] <= 0.5
     assert all(r["engine"] == 0 for r in long if r["migrated"])
 
 
@@ -151,8 +153,28 @@ def test_rollout_gantt_is_saved_and_logged_as_an_image(run):
     for outcome in (Outcome.TRAINED, Outcome.ABORTED, Outcome.DEFERRED):
         assert _has_colour(gantt[1], OUTCOME_COLOURS[outcome]), outcome
     assert not _has_colour(gantt[1], MIGRATED_COLOUR)
-    assert _has_colour(gantt[2], MIGRATED_COLOUR) and _has_colour(gantt[2], OUTCOME_COLOURS[Outcome.TRAINED])
+    migrated = {r["step"]: r for r in _metrics(run_dir)}[2]["migrated_requests"]
+    print(f"step 2: {migrated} requests migrated at the hand-off")
+    assert _has_colour(gantt[2], MIGRATED_COLOUR) is (migrated > 0)
+    assert _has_colour(gantt[2], OUTCOME_COLOURS[Outcome.TRAINED])
     assert not _has_colour(gantt[2], OUTCOME_COLOURS[Outcome.DEFERRED])
+
+
+def test_the_gantt_draws_a_migrated_requests_time_on_the_engine_it_left(tmp_path):
+    from rollpacker.rollout_report import plot_gantt
+    from rollpacker.sample import Prompt, Sample
+    from rollpacker.scheduler.round import RequestTrace, RoundTrace
+
+    def trace(moved: bool) -> RoundTrace:
+        sample = Sample(Prompt(uid=0, input_ids=[1], data_source="d"), 0)
+        stay = RequestTrace(sample, Outcome.TRAINED, ((0, 0.0, 2.0),))
+        move = RequestTrace(sample, Outcome.TRAINED, ((1, 0.0, 1.0), (0, 1.0, 3.0)) if moved else ((1, 0.0, 0.8),))
+        return RoundTrace(engines=2, build=lambda: [stay, move], closed_at=3.0, handoff_at=1.0, released=(1,))
+
+    drawn = {moved: _has_colour(plot_gantt(trace(moved), tmp_path / f"moved_{moved}.png", "hand-off"), MIGRATED_COLOUR)
+             for moved in (True, False)}
+    print(f"migrated colour drawn, with a migrated request: {drawn[True]}; without: {drawn[False]}")
+    assert drawn == {True: True, False: False}
 
 
 def test_a_big_step_shows_64_requests_in_launch_order_with_every_outcome():

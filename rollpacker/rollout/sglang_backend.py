@@ -181,9 +181,10 @@ class _ProcessHost:
         if self.doorbell >= 0:  # once: a second close could hit a file that took its number
             os.close(self.doorbell)
             self.doorbell = -1
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        if self.proc.returncode is None:  # not reaped yet: its pid still names its group alone
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _connect(self, address: str, key: bytes):
@@ -192,7 +193,7 @@ class _ProcessHost:
             try:
                 return Client(address, family="AF_UNIX", authkey=key)
             except (FileNotFoundError, ConnectionRefusedError):
-                if self.proc.poll() is not None:
+                if self._exit_status() is not None:
                     raise self._died("start") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"engine {self.engine_id}: its host process {self.proc.pid} did not "
@@ -202,7 +203,7 @@ class _ProcessHost:
     def _reply(self, method: str, timeout_s: float | None) -> Any:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.conn.poll(1.0):
-            if self.proc.poll() is not None:
+            if self._exit_status() is not None:
                 raise self._died(method)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine_id}: no answer to {method} within {timeout_s}s")
@@ -214,11 +215,20 @@ class _ProcessHost:
             raise value
         return value
 
+    def _exit_status(self) -> int | None:
+        """The host's exit code (negative: the signal), None while it runs. It is not reaped here:
+        until ``close`` reaps it, its pid, the id of its process group, cannot name another group."""
+        info = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
     def _died(self, method: str) -> EngineDiedError:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while (code := self._exit_status()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         return EngineDiedError(f"engine {self.engine_id}: its sglang host process {self.proc.pid} is gone "
-                               f"(exit code {self.proc.returncode}) during {method}; its output above says why")
+                               f"(exit code {code}) during {method}; its output above says why")
 
 
 class _LocalHost:
