@@ -242,6 +242,18 @@ def packing(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def logprob(r: dict[str, Any]) -> str:
+    """bench_logprob: the loss's entropy from the log-prob's own pass vs a second pass over the logits."""
+    lines = [f"{r['tokens']} tokens x {r['vocab']:,} vocabulary, forward + backward, {r['threads']} thread(s); "
+             f"{provenance(r)}:", "",
+             "| logits | two passes (before) | one pass (now) | ratio | largest difference |", "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        m = row["median_s"]
+        lines.append(f"| {row['dtype']} | {m['two_passes']:.2f} s | {m['one_pass']:.2f} s | "
+                     f"{row['two_over_one']:.2f}× | {row['max_abs_difference']:.1e} |")
+    return "\n".join(lines)
+
+
 def attention(r: dict[str, Any]) -> str:
     """bench_attention: Megatron's unfused DotProductAttention vs fused SDPA on the same micro-batches."""
     steps = r["steps"]
@@ -405,7 +417,7 @@ def _messages(counts: dict[str, int], rounds: int) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
-    "sim": sim, "stream": stream, "packing": packing, "attention": attention,
+    "sim": sim, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
     "engine": engine, "reward": reward, "control": control}
 
 

@@ -17,6 +17,13 @@ output layer's graph) plus two numbers per token, recomputing the softmax in
 backward: at most one chunk's fp32 working set is alive at a time, where the
 plain autograd formulation kept two full fp32 copies for backward and the
 entropy four more transiently (six, measured on an H100).
+
+Passes. Each elementwise op over a chunk reads and writes ``[chunk, V/tp]`` fp32
+values; on an H100 these memory-bound passes took about 40% of a Qwen2.5-0.5B
+micro-batch's GPU time. So the trainer's entropy (a metric) comes from the
+log-prob's own forward pass instead of a second pass over the logits, the max is
+taken on the logits as they are (exact in bf16) rather than on an fp32 copy, and
+backward folds the label's one and the upstream gradient into two in-place ops.
 """
 from __future__ import annotations
 
@@ -48,10 +55,12 @@ def _masked(x: torch.Tensor, padding: torch.Tensor | None, value: float) -> torc
     return x if padding is None else x.masked_fill_(padding, value)
 
 
-def _global_max(z: torch.Tensor, padding: torch.Tensor | None, tp_group: dist.ProcessGroup) -> torch.Tensor:
-    # The max is only a shift for stability: no gradient flows through it.
-    z = z.detach()
-    z_max = (z if padding is None else z.masked_fill(padding, float("-inf"))).amax(dim=-1)
+def _global_max(raw: torch.Tensor, padding: torch.Tensor | None, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Each row's max over the real vocabulary, in fp32. Taken on the logits as they are: the max
+    of bf16 values is exact in bf16, so no fp32 copy is read for it. Only a shift for stability:
+    no gradient flows through it."""
+    raw = raw.detach()
+    z_max = (raw if padding is None else raw.masked_fill(padding, float("-inf"))).amax(dim=-1).float()
     if tp_group.size() > 1:
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
     return z_max
@@ -63,69 +72,108 @@ def _sum(x: torch.Tensor, tp_group: dist.ProcessGroup) -> torch.Tensor:
     return x
 
 
+def _shifted(raw: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``raw - shift`` per row, as a new fp32 tensor. A copy and then an in-place subtraction: a
+    bf16 - fp32 subtraction would, on CPU, first convert ``raw`` into a temporary fp32 tensor of
+    its own (a second chunk alive at once)."""
+    return raw.to(torch.float32, copy=True).sub_(shift[:, None])
+
+
+def _label_columns(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each label's column on this rank (clamped into range) and whether this rank holds it."""
+    local = labels - start
+    return local.clamp(0, width - 1)[:, None], (local >= 0) & (local < width)
+
+
+def _chunk_forward(raw: torch.Tensor, labels: torch.Tensor | None, start: int, padding: torch.Tensor | None,
+                   tp_group: dist.ProcessGroup, entropy: bool):
+    """One chunk's log sum exp shift, label log-prob and entropy, in one pass over its columns.
+
+    Two fp32 ``[chunk, V/tp]`` tensors are alive at most: the shifted logits and their
+    exponentials, which become ``e * z`` in place for the entropy. The
+    entropy is ``log S - sum(e * z) / S`` with ``e = exp(z)`` and ``S = sum(e)``.
+    """
+    z_max = _global_max(raw, padding, tp_group)
+    z = _shifted(raw, z_max)
+    exp = _masked(z.exp(), padding, 0.0)
+    sum_exp = _sum(exp.sum(dim=-1), tp_group)
+    log_sum = sum_exp.log()
+    logp = ent = None
+    if labels is not None:
+        column, here = _label_columns(labels, start, raw.shape[1])
+        label_z = _sum(torch.where(here, z.gather(1, column)[:, 0], 0.0), tp_group)
+        logp = label_z - log_sum
+    if entropy:
+        ent = log_sum - _sum(exp.mul_(z).sum(dim=-1), tp_group) / sum_exp
+    return z_max + log_sum, logp, ent
+
+
 class _LabelLogProb(torch.autograd.Function):
-    """log p(label) per token; backward recomputes the softmax chunk by chunk."""
+    """log p(label) per token (and, without gradient, the entropy); backward recomputes the softmax
+    chunk by chunk."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup,
-                vocab_size: int) -> torch.Tensor:
+                vocab_size: int, entropy: bool):
         start, padding = _check(logits, tp_group, vocab_size)
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        logp, shift = (torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device) for _ in range(2))
-        for a in range(0, flat.shape[0], CHUNK_TOKENS):
-            # one fp32 chunk, shifted and exponentiated in place (a copy even for fp32 logits)
-            z = flat[a:a + CHUNK_TOKENS].to(torch.float32, copy=True)
-            z_max = _global_max(z, padding, tp_group)
-            z.sub_(z_max[:, None])
-            local = flat_labels[a:a + CHUNK_TOKENS] - start
-            here = (local >= 0) & (local < flat.shape[1])
-            picked = z.gather(1, local.clamp(0, flat.shape[1] - 1)[:, None])[:, 0]
-            label_shifted = _sum(torch.where(here, picked, 0.0), tp_group)
-            sum_exp = _sum(_masked(z.exp_(), padding, 0.0).sum(dim=-1), tp_group)
-            # log p = (z_label - max) - log sum exp(z - max); keep max + log sum exp for backward
-            logp[a:a + CHUNK_TOKENS] = label_shifted - sum_exp.log()
-            shift[a:a + CHUNK_TOKENS] = z_max + sum_exp.log()
+        rows = flat.shape[0]
+        logp, shift = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(2))
+        ent = torch.empty(rows if entropy else 0, dtype=torch.float32, device=logits.device)
+        for a in range(0, rows, CHUNK_TOKENS):
+            b = a + CHUNK_TOKENS
+            shift[a:b], logp[a:b], chunk_entropy = _chunk_forward(
+                flat[a:b], flat_labels[a:b], start, padding, tp_group, entropy)
+            if entropy:
+                ent[a:b] = chunk_entropy
         ctx.save_for_backward(logits, labels, shift)
         ctx.tp_group, ctx.start, ctx.vocab_size = tp_group, start, vocab_size
-        return logp.view(labels.shape)
+        ent = ent.view(labels.shape if entropy else (0,))
+        ctx.mark_non_differentiable(ent)
+        return logp.view(labels.shape), ent
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, labels, shift = ctx.saved_tensors
         _, padding = _check(logits, ctx.tp_group, ctx.vocab_size)
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        g = grad.reshape(-1).float()
+        minus_g = grad.reshape(-1).float().neg()
         out = torch.empty_like(flat)
         for a in range(0, flat.shape[0], CHUNK_TOKENS):
-            # d log p(label) / d z = onehot(label) - softmax(z), this rank's columns only; one fp32
-            # chunk, updated in place (a copy even for fp32 logits, which backward must not change)
-            grad_z = flat[a:a + CHUNK_TOKENS].to(torch.float32, copy=True)
-            _masked(grad_z.sub_(shift[a:a + CHUNK_TOKENS, None]).exp_(), padding, 0.0).neg_()
-            local = flat_labels[a:a + CHUNK_TOKENS] - ctx.start
-            here = (local >= 0) & (local < flat.shape[1])
-            # += 1 at each label this rank holds, without a host round trip (nonzero() syncs)
-            grad_z.scatter_add_(1, local.clamp(0, flat.shape[1] - 1)[:, None], here.to(grad_z.dtype)[:, None])
-            out[a:a + CHUNK_TOKENS] = grad_z.mul_(g[a:a + CHUNK_TOKENS, None])
-        return out.view_as(logits), None, None, None
+            b = a + CHUNK_TOKENS
+            # d log p(label) / d z = onehot(label) - softmax(z), this rank's columns only. One fp32
+            # chunk: softmax made from the logits' dtype and exponentiated in place, minus one at
+            # each label this rank holds (scatter_add_ needs no host round trip, nonzero() would),
+            # then scaled by -g in place (a product written into a bf16 ``out=`` would go through an
+            # fp32 temporary chunk of its own).
+            grad_z = _masked(_shifted(flat[a:b], shift[a:b]).exp_(), padding, 0.0)
+            column, here = _label_columns(flat_labels[a:b], ctx.start, flat.shape[1])
+            grad_z.scatter_add_(1, column, here.to(grad_z.dtype).neg_()[:, None])
+            out[a:b] = grad_z.mul_(minus_g[a:b, None])
+        return out.view_as(logits), None, None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, tp_group: dist.ProcessGroup, *,
-                   vocab_size: int) -> torch.Tensor:
+                   vocab_size: int, with_entropy: bool = False):
     """log p(labels) under ``softmax(logits)``; logits ``[..., V_local]``, labels ``[...]`` -> ``[...]``.
 
-    ``vocab_size`` is the real (HF) vocabulary size; labels must be below it.
+    ``vocab_size`` is the real (HF) vocabulary size; labels must be below it. With ``with_entropy``
+    also each token's entropy, detached, from the same pass over the logits (``(logp, entropy)``):
+    a separate entropy pass reads and writes the fp32 logits as often again.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
-    return _LabelLogProb.apply(logits, labels, tp_group, vocab_size)
+    logp, entropy = _LabelLogProb.apply(logits, labels, tp_group, vocab_size, with_entropy)
+    return (logp, entropy) if with_entropy else logp
 
 
 def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup, *, vocab_size: int) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the real vocabulary; ``[..., V_local]`` -> ``[...]``."""
-    _, padding = _check(logits, tp_group, vocab_size)
+    """Entropy of ``softmax(logits)`` over the real vocabulary; ``[..., V_local]`` -> ``[...]``,
+    differentiable where grad is enabled."""
+    start, padding = _check(logits, tp_group, vocab_size)
     flat = logits.reshape(-1, logits.shape[-1])
-    if not torch.is_grad_enabled():  # the trainer's case (a metric): two fp32 chunks, updated in place
-        return torch.cat([_entropy_no_grad(flat[a:a + CHUNK_TOKENS], padding, tp_group)
+    if not torch.is_grad_enabled():
+        return torch.cat([_chunk_forward(flat[a:a + CHUNK_TOKENS], None, start, padding, tp_group, True)[2]
                           for a in range(0, flat.shape[0], CHUNK_TOKENS)]).view(logits.shape[:-1])
     chunks = []
     for a in range(0, flat.shape[0], CHUNK_TOKENS):
@@ -143,14 +191,3 @@ def token_entropy(logits: torch.Tensor, tp_group: dist.ProcessGroup, *, vocab_si
         weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1), tp_group)
         chunks.append(sum_exp.log() - weighted / sum_exp)
     return torch.cat(chunks).view(logits.shape[:-1])
-
-
-def _entropy_no_grad(chunk: torch.Tensor, padding: torch.Tensor | None,
-                     tp_group: dist.ProcessGroup) -> torch.Tensor:
-    """The same entropy as :func:`token_entropy`'s differentiable path, without a graph to keep."""
-    shifted = chunk.to(torch.float32, copy=True)
-    _masked(shifted.sub_(_global_max(shifted, padding, tp_group)[:, None]), padding, 0.0)
-    exp = _masked(shifted.exp(), padding, 0.0)
-    sum_exp = _sum(exp.sum(dim=-1), tp_group)
-    weighted = _sum(exp.mul_(shifted).sum(dim=-1), tp_group)
-    return sum_exp.log() - weighted / sum_exp

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megatron_ext.logprobs import token_entropy, token_logprobs
+from megatron_ext.logprobs import token_logprobs
 from megatron_ext.parallel import ParallelLayout
 from megatron_ext.weights import unwrap
 from rollpacker.trainer.config import TrainerConfig
@@ -128,9 +128,7 @@ class StepResult:
 def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig, tp_group: dist.ProcessGroup,
                      vocab_size: int) -> tuple[torch.Tensor, LossSums]:
     """GRPO loss of one micro-batch from its vocab-parallel logits ``[b, s, V/tp]``."""
-    logprobs = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size)
-    with torch.no_grad():
-        entropy = token_entropy(logits, tp_group, vocab_size=vocab_size)
+    logprobs, entropy = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size, with_entropy=True)
     # recompute: the behaviour policy is the current weights (one optimizer step per batch), so its
     # log-probs are this forward's own, detached (old=None); a second forward would give the same numbers.
     old = None
