@@ -1,60 +1,55 @@
-"""SGLang 0.5.17 for the GPU machine, as a bundle of parts that the device tool can carry.
+"""SGLang 0.5.17 for the GPU machine, as a bundle that one device call carries.
 
 The GPU machine has Python 3.12 with torch 2.11.0 (+cu130) and a long list of packages, but no
-package index; sglang 0.5.17 is the newest release that pins that torch. Here, where pip reaches
-the index, ``build`` resolves sglang for Python 3.12 on x86-64 Linux *on top of the machine's
-packages*, downloads what the machine lacks (~1 GB of wheels), installs them into one folder, packs
-it as tar + zstd and splits the archive into parts small enough for one device call each (the tool
-carries at most 64 MiB of working tree a call)::
+package index; sglang 0.5.17 is the newest release that pins that torch. A lent GPU window has 15
+minutes of device time and a call carries at most 64 MiB (working tree included), so the bundle
+must be one part. Here, where pip reaches the index::
 
-    python -m bench.sglang_bundle build                 # -> .bundle/sglang-0.5.17/ (git-ignored)
-    python -m bench.sglang_bundle plan                  # the device calls again, for today's tree
+    python -m bench.sglang_bundle build [--resolve]     # -> .bundle/sglang-0.5.17/ (git-ignored)
+    python -m bench.sglang_bundle plan                  # the one device call, for today's tree
     python -m bench.sglang_bundle unpack --parts DIR --dest /tmp/sglang-site [--check-held]
 
-The machine's packages are modelled by stub ``.dist-info`` folders (name and version only) in a
-Python 3.12 venv, so pip's own resolver keeps what is there and lists only what must come along,
-including the machine packages whose versions sglang cannot use (numpy, tokenizers,
-transformers): those are carried and shadow the machine's on PYTHONPATH. Packages the machine has
-in an unknown version are dropped from the bundle; ``unpack --check-held`` then checks, there,
-that the installed versions meet what the bundle requires of them.
+``build --resolve`` (or a build without a lock) resolves sglang for Python 3.12 on x86-64 Linux *on
+top of the machine's packages* and writes the lock ``bench/locks/sglang-0.5.17.json`` (tracked):
+every wheel pip picks, by URL, sha256 and size. A build from the lock runs no resolver (pip's took
+87-273 s here) and fetches the same wheels; the same wheels pack to the same bytes. The machine's
+packages are modelled by stub ``.dist-info`` folders (name and version only) in a Python 3.12 venv,
+so pip keeps what is there and lists what must come along, including the machine packages whose
+versions sglang cannot use (tokenizers, transformers): those are carried and shadow the machine's on
+PYTHONPATH. Packages the machine has in an unknown version are never carried; ``unpack
+--check-held`` checks, there, that their installed versions meet what the carried wheels require.
 
-Why zstd -10: on the 3.44 GB install, ``zstd -T0 -10 --long=27`` gave 699 MB (12 parts) in 1.5 to
-8 min on this machine's 2 shared cores; -3 gave 802 MB (14 parts) in 41 s; -13 gave 706 MB in 25
-min; -19 gave ~626 MB (11 parts) in ~17 min in an earlier measurement. A part costs a device call;
-a minute of build here costs nothing there. ``--long=27`` stays within every decoder's default
-window. Unpack needs no package: the ``zstd`` CLI, the ``zstandard`` module, or the zstandard wheel
-carried beside the manifest (unzipped to a temp folder: a C extension does not import from a zip),
-in that order. ``--codec xz`` packs for the stdlib's lzma alone (not measured on this tree).
-``build --packages NAME==VER --find-links DIR --no-index`` or ``--from-wheels DIR`` make a small
-bundle through the same code (the test suite does). The printed plan (also ``plan.txt``) lists the
-device calls: the parts, packed into as few calls as the 64 MiB limit allows, each moved to
-/tmp/bundle (the machine keeps /tmp between back-to-back calls of one hold, not the working tree);
-the last call unpacks and runs the acceptance.
+Of the 118 wheels resolved, only those that the offline Engine path imports are carried (the
+allowlist below, 44); the rest are recorded in the manifest as left out. Files of carried wheels that
+this path never loads are deleted before packing (the prune list below) and recorded in the manifest,
+whose RECORD check on unpack skips exactly them. The tree (~0.32 GB) is packed as tar + ``xz -9``
+(~47 MiB): the stdlib decodes it on the device with no tool. ``--codec zstd`` packs for the zstd CLI, the
+zstandard module or a carried zstandard wheel. ``build --packages NAME==VER --find-links DIR
+--no-index --lock FILE`` or ``--from-wheels DIR`` make a small bundle through the same code (the test
+suite does). ``plan`` (also ``plan.txt``) prints the one device call: carry the part and meta folders
+(and ``.whl`` from bench/gpu_wheels.sh), run ``bench.gpu_run`` on the bundle; it refuses a call over
+64 MiB.
 """
 from __future__ import annotations
 
 import argparse
-import atexit
-import base64
-import csv
-import glob
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import threading
 import time
-import zipfile
 from pathlib import Path
+
+from bench.bundle_pack import PartWriter, dist_records, install, pack, prune, tree_stats
+from bench.bundle_resolve import MIB, download, find_python, make_venv, norm, read_lock, req_name, resolve, sha256
+from bench.bundle_unpack import unpack
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT_SPEC = "sglang==0.5.17"
-MIB = 1 << 20
-CALL_LIMIT = 64 * MIB  # the device tool's working-tree limit per call, carried paths included
+CALL_LIMIT = 64 * MIB  # the device tool's limit per call: working tree plus carried paths
+GPU_RUN = "python3 -m bench.gpu_run --bundle {bundle} --budget-s 540 --out $OUT"  # 540 s: 60 s under timeout_s
+TIMEOUT_S = 600  # the device tool's most for one command
 
 # The GPU machine's versions as sessions read them there (KINDS.md). These become stub dist-infos,
 # so pip keeps them when they satisfy sglang and plans a replacement (carried) when they do not.
@@ -87,208 +82,62 @@ threadpoolctl tifffile timm torchdiffeq torch-geometric toolz tqdm treescope typ
 typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
 
 
-def norm(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
+# What sglang 0.5.17's offline Engine path (engine, scheduler, model runner, Qwen2, sampler, triton attention,
+# model loader, model registry) imports, traced on CPU by carrying nothing and adding back what an unguarded
+# import needed: 44 of the 118 wheels. Never imported there: CUDA compiler wheels, cutlass-dsl, tilelang,
+# tokenspeed, z3, deep-gemm, helion, outlines/llguidance, modelscope, datasets, audio/video, gRPC, numpy 2.3.5
+# (pip picked it for mistral-common's numpy<2.4; left out, the machine's 2.5.2 serves).
+SGLANG_ALLOW = frozenset("""
+sglang sglang-kernel flashinfer-python xgrammar apache-tvm-ffi transformers tokenizers torch-memory-saver
+pyzmq orjson pybase64 msgspec setproctitle dill partial-json-parser compressed-tensors loguru gguf
+pydantic pydantic-core typing-inspection annotated-types openai distro sniffio jiter
+uvicorn fastapi starlette opentelemetry-api
+ipython ipython-pygments-lexers jedi parso matplotlib-inline traitlets prompt-toolkit wcwidth stack-data
+executing asttokens pure-eval pexpect ptyprocess
+""".split())
+# Files of carried wheels that the offline Engine with attention_backend="triton" on compute capability 9.0
+# never loads: (fnmatch pattern, where it would be loaded). sglang-kernel's dist-info stays: sglang's
+# engine.py:1636 checks its version.
+SGLANG_PRUNE = {
+    "sglang-kernel": [
+        ("sgl_kernel/flash_ops.abi3.so", "FA3 (1.07 GiB): imported by sgl_kernel/flash_attn.py:8, i.e. only by "
+                                         "attention_backend='fa3' "
+                                         "(srt/layers/attention/flashattention_backend.py:254)"),
+        ("sgl_kernel/sm100/*", "non-Hopper common_ops: on compute capability 9.0 sgl_kernel/load_utils.py:60-61 "
+                               "loads sm90/"),
+        ("sgl_kernel/infllm_ops*", "InfLLM-V2 attention, loaded on first call (sgl_kernel/infllm_v2/attention.py:40)"),
+        ("sgl_kernel/flashmla_ops*", "MLA models only; sgl_kernel/flash_mla.py:7 imports it under try"),
+    ],
+    "xgrammar": [("xgrammar/lib/libxgrammar.a", "static library for C++ builds; Python loads "
+                                                "xgrammar/libxgrammar_bindings.so")],
+    "sglang": [
+        ("sglang/srt/server/_core.*", "Rust HTTP server (srt/managers/rust_server.py:59), not the offline Engine"),
+        ("sglang/srt/grpc/_core.*", "native gRPC server, only with --grpc-port (srt/entrypoints/http_server.py:2678)"),
+        ("sglang/srt/multimodal/_core.*", "Rust image preprocessing for Inkling "
+                                          "(srt/multimodal/inkling/image_processing_rust.py:13)"),
+    ],
+}
+PROFILES = {"sglang-0.5.17": (SGLANG_ALLOW, SGLANG_PRUNE)}  # bundle name -> default allowlist and prune list
 
 
-def file_hash(path: Path, algo: str = "sha256"):
-    h = hashlib.new(algo)
-    with open(path, "rb") as f:  # in blocks: some of sgl_kernel's libraries are hundreds of MB
-        for block in iter(lambda: f.read(MIB), b""):
-            h.update(block)
-    return h
-
-
-def sha256(path: Path) -> str:
-    return file_hash(path).hexdigest()
-
-
-def size_arg(text: str) -> int:
-    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
-    text = text.upper().rstrip("IB")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
-
-
-def run(cmd):
-    print("+", " ".join(map(str, cmd))[:300], flush=True)
-    proc = subprocess.run([str(c) for c in cmd], stderr=subprocess.PIPE, text=True)
-    # this machine's pip config names local indexes that lack most packages: one warning per package
-    sys.stderr.write("".join(l for l in proc.stderr.splitlines(True) if not l.startswith("WARNING: Location 'file:")))
-    if proc.returncode:
-        raise SystemExit(f"{cmd[0]} ... {cmd[3:6]} failed ({proc.returncode})")
-
-
-def find_python(explicit: str | None) -> str:
-    """A Python 3.12 here, so that pip evaluates markers and wheel tags as the GPU machine will."""
-    if explicit:
-        return explicit
-    pyenv = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12")))
-    found = [shutil.which("python3.12"), *pyenv]
-    for py in filter(None, found):
-        if subprocess.run([py, "-c", "pass"], capture_output=True).returncode == 0:  # pyenv shims may refuse
-            return py
-    print("warning: no Python 3.12 here; resolving for", sys.version.split()[0], file=sys.stderr)
-    return sys.executable
-
-
-def make_venv(python: str, venv: Path, stubs: dict[str, str]) -> str:
-    run([python, "-m", "venv", "--without-pip", venv])
-    vpy = str(venv / "bin" / "python")
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.check_output([vpy, "-c", code], text=True).strip())
-    for name, version in stubs.items():  # name + version only: pip then never looks past them
-        d = site / f"{name.replace('-', '_')}-{version}.dist-info"
-        d.mkdir(parents=True)
-        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        (d / "INSTALLER").write_text("stub\n")
-        (d / "RECORD").write_text("")
-    return vpy
-
-
-def held_requirements(report: dict, held: set[str]) -> dict[str, list[str]]:
-    """What the resolved packages ask of each held one ('numba>=0.60 (sglang)'), extras followed."""
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pip carries its own copy
-        from pip._vendor.packaging.requirements import Requirement
-    env = report["environment"]
-    metas = {norm(i["metadata"]["name"]): i["metadata"] for i in report["install"]}
-    extras = {norm(i["metadata"]["name"]): set(i.get("requested_extras") or []) for i in report["install"]}
-    out: dict[str, list[str]] = {}
-    for final in (False, True):  # gather the extras asked for, then record (deeper extra chains: rare)
-        for name, meta in metas.items():
-            for text in meta.get("requires_dist") or []:
-                req = Requirement(text)
-                if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in {""} | extras[name]):
-                    continue
-                target = norm(req.name)
-                extras.setdefault(target, set()).update(req.extras)
-                if final and target in held:
-                    out.setdefault(target, []).append(f"{req.name}{req.specifier} ({meta['name']})")
-    return out
-
-
-def resolve(a, vpy: str, held: set[str], versions: dict[str, str], work: Path) -> tuple[list[dict], dict]:
-    report_path = work / "report.json"
-    run([sys.executable, "-m", "pip", "--python", vpy, "install", "--dry-run", "--only-binary=:all:", "--quiet",
-         "--report", report_path, *a.pip_args, *a.packages])
-    report = json.loads(report_path.read_text())
-    carried, replaced, excluded = [], [], []
-    for item in report["install"]:
-        name, version = norm(item["metadata"]["name"]), item["metadata"]["version"]
-        if name in a.exclude:
-            excluded.append(f"{name}=={version}")
-        elif name in held and name not in versions:
-            continue  # on the machine in a version we cannot see: checked there, not carried
-        else:
-            if name in versions:  # pip replaces a stubbed version only when sglang cannot use it
-                replaced.append({"name": name, "machine": versions[name], "carried": version})
-            carried.append(item)
-    held.difference_update(r["name"] for r in replaced)  # carried now: the machine's copy no longer matters
-    info = {"held_required": held_requirements(report, held), "replaced": replaced, "excluded": excluded,
-            "environment": report["environment"]}
-    return carried, info
-
-
-def download(items: list[dict], cache: Path, vpy: str, pip_args: list[str]) -> list[Path]:
-    cache.mkdir(parents=True, exist_ok=True)
-    wanted, missing = [], []
-    for item in items:
-        url, digest = item["download_info"]["url"], item["download_info"]["archive_info"]["hashes"]["sha256"]
-        path = cache / url.rsplit("/", 1)[-1]
-        if not (path.exists() and sha256(path) == digest):  # the cache survives reruns
-            missing.append(f"{url}#sha256={digest}")
-        wanted.append((path, digest))
-    if missing:
-        reqs = cache / "requirements.txt"
-        reqs.write_text("\n".join(missing) + "\n")
-        run([sys.executable, "-m", "pip", "--python", vpy, "download", "--no-deps", "--only-binary=:all:",
-             "--quiet", "-d", cache, "-r", reqs, *pip_args])
-    for path, digest in wanted:
-        if sha256(path) != digest:
-            raise SystemExit(f"{path.name}: sha256 differs from the resolver's report")
-    return [p for p, _ in wanted]
-
-
-def dist_records(site: Path):
-    """(dist-info folder, [(relative path, size or None, hash or None)]) for each distribution."""
-    for info in sorted(site.glob("*.dist-info")):
-        rows = []
-        with open(info / "RECORD", newline="") as f:
-            for row in csv.reader(f):
-                if row and not os.path.normpath(row[0]).startswith(".."):  # scripts land in bin/, outside
-                    rows.append((row[0], int(row[2]) if len(row) > 2 and row[2] else None, row[1] or None))
-        yield info, rows
-
-
-def tree_stats(root: Path) -> tuple[int, int]:
-    sizes = [os.lstat(os.path.join(d, n)).st_size for d, _, names in os.walk(root) for n in names]
-    return len(sizes), sum(sizes)
-
-
-class PartWriter:
-    """Cuts one byte stream into numbered files of at most `limit` bytes, each in its own folder."""
-
-    def __init__(self, out: Path, stem: str, limit: int):
-        self.out, self.stem, self.limit, self.parts, self.f = out, stem, limit, [], None
-
-    def _open(self):
-        i = len(self.parts)
-        folder = self.out / f"part{i:02d}"
-        folder.mkdir(parents=True)
-        self.parts.append({"folder": folder.name, "file": f"{self.stem}.{i:02d}", "bytes": 0})
-        self.f, self.h = open(folder / self.parts[-1]["file"], "wb"), hashlib.sha256()
-
-    def write(self, data: bytes):
-        view = memoryview(data)
-        while view:
-            if self.f is None or self.parts[-1]["bytes"] == self.limit:
-                self.close()
-                self._open()
-            take = view[: self.limit - self.parts[-1]["bytes"]]
-            self.f.write(take)
-            self.h.update(take)
-            self.parts[-1]["bytes"] += len(take)
-            view = view[len(take):]
-        return len(data)
-
-    def close(self):
-        if self.f:
-            self.f.close()
-            self.parts[-1]["sha256"] = self.h.hexdigest()
-            self.f = None
-
-
-def pack(site: Path, writer: PartWriter, codec: str, level: int):
-    def add_tree(sink):
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for dirpath, dirs, names in os.walk(site):
-                dirs.sort()
-                for n in sorted(names):  # sorted: the same tree packs to the same bytes
-                    full = os.path.join(dirpath, n)
-                    tar.add(full, os.path.relpath(full, site), recursive=False,
-                            filter=lambda t: (setattr(t, "uid", 0), setattr(t, "gid", 0),
-                                              setattr(t, "uname", ""), setattr(t, "gname", ""), t)[-1])
-    if codec == "zstd":
-        if not shutil.which("zstd"):
-            raise SystemExit("the zstd CLI is missing: apt-get install zstd, or use --codec xz")
-        cmd = ["zstd", "-q", "-c", "-T0", f"-{level}", "--long=27"]
-    else:
-        cmd = ["xz", "-q", "-c", "-T0", f"-{level}"] if shutil.which("xz") else None
-    if cmd is None:  # stdlib lzma: one core, but no tool needed
-        import lzma
-        with lzma.LZMAFile(writer, "w", preset=level) as sink:
-            add_tree(sink)
-    else:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        reader = threading.Thread(target=lambda: shutil.copyfileobj(proc.stdout, writer, MIB))
-        reader.start()
-        add_tree(proc.stdin)
-        proc.stdin.close()
-        reader.join()
-        if proc.wait():
-            raise SystemExit(f"{cmd[0]} failed ({proc.returncode})")
-    writer.close()
+def select(lock: dict, allow: set[str] | None, held: set[str], versions: dict[str, str]):
+    """The lock's wheels split into carried and left out; what the carried ones require of held packages."""
+    resolved = {w["name"] for w in lock["wheels"]}
+    if allow is not None and (unknown := sorted(allow - resolved)):
+        raise SystemExit(f"the allowlist names {', '.join(unknown)}, which the resolution does not have: "
+                         "fix the allowlist or re-resolve (--resolve)")
+    carried = [w for w in lock["wheels"] if allow is None or w["name"] in allow]
+    left_out = [{k: w[k] for k in ("name", "version", "bytes")} for w in lock["wheels"] if w not in carried]
+    # pip replaces a stubbed version only when sglang cannot use it; left out, the machine's copy serves
+    replaced = [{"name": w["name"], "machine": versions[w["name"]], "carried": w["version"]}
+                for w in carried if w["name"] in versions]
+    held = held - {r["name"] for r in replaced}
+    held_required: dict[str, list[str]] = {}
+    for w in carried:
+        for text in w["requires"]:
+            if req_name(text) in held:
+                held_required.setdefault(req_name(text), []).append(f"{text} ({w['name']})")
+    return carried, {"left_out": left_out, "replaced": replaced, "held_required": held_required}, held
 
 
 def repo_tree_bytes() -> int:
@@ -304,273 +153,206 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def one_call_room() -> int:
+    """The most a bundle's parts may weigh to travel in one call beside today's tree and .whl."""
+    whl = folder_bytes(REPO / ".whl") if (REPO / ".whl").is_dir() else 0
+    return CALL_LIMIT - repo_tree_bytes() - whl - MIB  # a MiB for meta and for the tree's growth
+
+
 def plan(out: Path, manifest: dict) -> str:
-    """The device calls: parts (and meta, .whl) packed into as few calls as the 64 MiB limit allows."""
-    rel, tree = os.path.relpath(out, REPO), repo_tree_bytes()
-    budget = CALL_LIMIT - tree - MIB  # a MiB of slack: the tree grows between build and calls
-    items = [(f"{rel}/meta", folder_bytes(out / "meta"), "/tmp/bundle")]
-    if whl := (REPO / ".whl").is_dir():  # bench/gpu_wheels.sh's wheels (megatron-core, pyzmq, ...)
-        items.append((".whl", folder_bytes(REPO / ".whl"), "/tmp/whl"))
-    items += [(f"{rel}/{p['folder']}", p["bytes"], "/tmp/bundle") for p in manifest["parts"]]
-    calls: list[list] = []
-    for item in sorted(items, key=lambda i: -i[1]):  # first fit, largest first
-        if item[1] > budget:
-            raise SystemExit(f"{item[0]} ({item[1] / MIB:.1f} MiB) cannot travel beside a {tree / MIB:.1f} MiB "
-                             "tree: build with a smaller --part-size")
-        call = next((c for c in calls if sum(i[1] for i in c) + item[1] <= budget), None)
-        calls.append([item]) if call is None else call.append(item)
-    lines = [f"Device calls for {manifest['name']}: {len(calls)}, back to back (the machine is given back 30 s "
-             f"after a call and keeps /tmp, not the working tree, between calls). Working tree: {tree / MIB:.1f} MiB."]
+    """The one device call: carry the parts and meta (and .whl), run bench.gpu_run on the bundle."""
+    rel = os.path.relpath(out, REPO)
     if rel.startswith(".."):
-        lines.append(f"NOTE: {out} is outside the repository, so it cannot be carried; build under the repo.")
-    for n, call in enumerate(calls, 1):
-        dests = sorted({d for _, _, d in call})
-        cmd = " && ".join([f"mkdir -p {' '.join(dests)}"] + [f"mv {path}/* {d}/" for path, _, d in call])
-        if n < len(calls):
-            cmd += " && ls /tmp/bundle | wc -l"
-        else:
-            cmd += (" && python3 -m bench.sglang_bundle unpack --parts /tmp/bundle --dest /tmp/sglang-site --check-held"
-                    + (" && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site"
-                       " /tmp/whl/*.whl" if whl else "")
-                    + f" && export PYTHONPATH=/tmp/sglang-site{':/tmp/site' if whl else ''}:$PWD"
-                    + " && PYTHONUNBUFFERED=1 python3 -m bench.gpu_acceptance --device cuda --out $OUT/acceptance")
-        size = tree + sum(i[1] for i in call)
-        lines += [f"call {n}/{len(calls)} ({size / MIB:.1f} MiB travels)",
-                  f"  carry: {json.dumps([path for path, _, _ in call])}", f"  command: {cmd}"]
-    return "\n".join(lines) + "\n"
+        raise SystemExit(f"{out} is outside the repository {REPO}: the device tool carries only paths under it "
+                         "(build with --out under the repository)")
+    carry = [f"{rel}/{p['folder']}" for p in manifest["parts"]] + [f"{rel}/meta"]
+    if (REPO / ".whl").is_dir():  # bench/gpu_wheels.sh's wheels (megatron-core, ...)
+        carry.append(".whl")
+    tree, carried = repo_tree_bytes(), sum(folder_bytes(REPO / c) for c in carry)
+    travels = tree + carried
+    if travels > CALL_LIMIT:
+        raise SystemExit(f"{manifest['name']} does not fit one device call: {travels / MIB:.1f} MiB would travel "
+                         f"(working tree {tree / MIB:.1f} + carried {carried / MIB:.1f}), the limit is "
+                         f"{CALL_LIMIT / MIB:.0f} MiB: prune more, leave more out, or pack harder")
+    return "\n".join([
+        f"One device call for {manifest['name']}: {travels / MIB:.1f} MiB travels (working tree {tree / MIB:.1f} "
+        f"MiB + carried {carried / MIB:.1f} MiB; the limit is {CALL_LIMIT / MIB:.0f} MiB)",
+        f"  carry: {json.dumps(carry)}",
+        f"  command: {GPU_RUN.format(bundle=rel)}",
+        f"  timeout_s: {TIMEOUT_S}"]) + "\n"
 
 
-def build(a):
-    started = time.time()
-    out = (Path(a.out) / a.name).resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    work = out / "work"
-    work.mkdir(parents=True)
+def held_inputs(a) -> tuple[dict[str, str], set[str]]:
+    """The machine's packages as stubbed (name -> version) and as all names, after --held and --carry."""
     versions = {norm(k): v for k, v in HELD_VERSIONS.items()}
     versions.update({norm(h.split("==")[0]): h.split("==")[1] for h in a.held if "==" in h})
     held = {norm(n) for n in HELD_NAMES} | set(versions) | {norm(h.split("==")[0]) for h in a.held}
     for name in map(norm, a.carry):
         held.discard(name)
         versions.pop(name, None)
-    vpy = make_venv(find_python(a.python), work / "venv", versions)
-    seconds = {}
-    if a.from_wheels:
-        wheels, info = sorted(Path(a.from_wheels).glob("*.whl")), {"held_required": {}, "replaced": []}
-    else:
+    return versions, held
+
+
+def wheel_entry(path: Path) -> dict:
+    return {"file": path.name, "name": norm(path.name.split("-")[0]), "version": path.name.split("-")[1],
+            "bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+def locked_wheels(a, versions: dict[str, str], held: set[str], vpy: str, work: Path, seconds: dict):
+    """The lock (read, or resolved and written), narrowed by the allowlist, its carried wheels downloaded."""
+    inputs = {"packages": a.packages, "held": {n: versions.get(n) for n in sorted(held)}}
+    lock_path = Path(a.lock).resolve()
+    if a.resolve or not lock_path.exists():
         t = time.time()
-        items, info = resolve(a, vpy, held, versions, work)
+        lock = resolve(inputs, vpy, held - set(versions), a.pip_args, work)
         seconds["resolve"] = time.time() - t
-        t = time.time()
-        wheels = download(items, Path(a.cache).resolve(), vpy, a.pip_args)
-        seconds["download"] = time.time() - t
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path.write_text(json.dumps(lock, indent=1) + "\n")
+        print(f"wrote the lock {lock_path} ({len(lock['wheels'])} wheels resolved)")
+    else:
+        lock = read_lock(lock_path, inputs)
+        print(f"from the lock {lock_path}: no resolving (--resolve to redo it)")
+    carried, info, held = select(lock, a.allow, held, versions)
+    t = time.time()
+    wheels = download(carried, Path(a.cache).resolve(), vpy, a.pip_args)
+    seconds["download"] = time.time() - t
+    entries = [{"file": w["file"], "name": w["name"], "version": w["version"], "bytes": path.stat().st_size,
+                "sha256": w["sha256"]} for w, path in zip(carried, wheels)]
+    info["lock"] = {"path": os.path.relpath(lock_path, REPO), "sha256": sha256(lock_path)}
+    return wheels, entries, info, held
+
+
+def build(a):
+    started, seconds = time.time(), {}
+    out = (Path(a.out) / a.name).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    work = out / "work"
+    work.mkdir(parents=True)
+    versions, held = held_inputs(a)
+    vpy = make_venv(find_python(a.python), work / "venv", versions)
+    if a.from_wheels:
+        wheels = sorted(Path(a.from_wheels).glob("*.whl"))
+        entries, info = [wheel_entry(w) for w in wheels], {"left_out": [], "replaced": [], "held_required": {},
+                                                           "lock": None}
+    else:
+        wheels, entries, info, held = locked_wheels(a, versions, held, vpy, work, seconds)
     t = time.time()
     site = work / "site"
-    run([sys.executable, "-m", "pip", "--python", vpy, "install", "--no-deps", "--no-index", "--no-compile",
-         "--quiet", "--target", site, *wheels])
+    scripts = install(entries, Path(a.from_wheels or a.cache).resolve(), vpy, site)
     seconds["install"] = time.time() - t
+    t = time.time()
+    pruned = prune(site, {dist: [g for g, _ in globs] for dist, globs in a.prune.items()})
+    seconds["prune"] = time.time() - t
     files, size = tree_stats(site)
     records, owners = list(dist_records(site)), {}
     dists = [{"dist": d.name, "files": len(rows), "bytes": sum(r[1] or 0 for r in rows)} for d, rows in records]
     for d, rows in records:
         for row in rows:
             owners.setdefault(row[0], []).append(d.name)
-    # a path two wheels ship (flashinfer and torch_c_dlpack_ext both have build_backend.py): the last
-    # install wins, so the other's RECORD size is stale and unpack must not hold the file to it
+    # a path two wheels ship (with --carry-all, flashinfer and torch_c_dlpack_ext both have build_backend.py):
+    # the last install wins, so the other's RECORD size is stale and unpack must not hold the file to it
     shared = {path: names for path, names in owners.items() if len(names) > 1}
     t = time.time()
-    writer = PartWriter(out, f"{a.name}.tar.{'zst' if a.codec == 'zstd' else 'xz'}", a.part_size)
+    writer = PartWriter(out, f"{a.name}.tar.{'zst' if a.codec == 'zstd' else 'xz'}", a.part_size or one_call_room())
     pack(site, writer, a.codec, a.level)
     seconds["pack"] = time.time() - t
     (meta := out / "meta").mkdir()
     decoder = [w for w in wheels if w.name.startswith("zstandard-")]
-    for w in decoder:  # the device may lack the zstd CLI: this wheel lets unpack decompress anyway
+    for w in decoder:  # the device may lack the zstd CLI: this wheel lets unpack decompress a zstd bundle anyway
         shutil.copy(w, meta / w.name)
     manifest = {
-        "name": a.name, "requested": a.packages, "codec": a.codec, "level": a.level, "long": 27,
+        "name": a.name, "requested": a.packages, "codec": a.codec, "level": a.level,
         "python": subprocess.check_output(  # version and tag
             [vpy, "-c", "import sys; print(sys.version.split()[0], 'cp%d%d' % sys.version_info[:2])"],
             text=True).split(),
-        "wheels": [{"file": w.name, "name": w.name.split("-")[0], "version": w.name.split("-")[1],
-                    "bytes": w.stat().st_size, "sha256": sha256(w)} for w in wheels],
+        "wheels": entries, "allow": sorted(a.allow) if a.allow is not None else None,
         "held": {n: versions.get(n) for n in sorted(held)}, **info,
+        "prune": {dist: [{"glob": g, "why": why} for g, why in globs] for dist, globs in a.prune.items()},
+        "pruned": pruned, "scripts_dropped": scripts,
         "install": {"files": files, "bytes": size, "dists": dists, "shared_paths": shared},
         "parts": writer.parts, "decoder_wheel": decoder[0].name if decoder else None,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
+    if not a.keep_site:  # the wheels stay in the cache; ~20k unlinks, a minute on this machine's disk
+        t = time.time()
+        shutil.rmtree(work)
+        manifest["seconds"]["cleanup"] = round(time.time() - t, 1)
     (meta / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    if not a.keep_site:
-        shutil.rmtree(work)  # ~3.5 GB for sglang; the wheels stay in the cache
+    summarize(manifest, time.time() - started)
+    if not out.is_relative_to(REPO / ".bundle"):  # the suite's fast-codec copy (.cache/) is not for the device
+        return print(f"\n{out} is outside the repository's .bundle/: no device call planned (plan BUNDLE prints one)")
     text = plan(out, manifest)
     (out / "plan.txt").write_text(text)
-    packed = sum(p["bytes"] for p in writer.parts)
-    print(f"\n{a.name}: {len(wheels)} wheels, {sum(w['bytes'] for w in manifest['wheels']) / 1e6:.1f} MB; "
-          f"installed {files} files, {size / 1e6:.1f} MB; packed {packed / 1e6:.1f} MB ({a.codec} -{a.level}) in "
-          f"{len(writer.parts)} parts of <= {a.part_size / MIB:g} MiB; seconds {manifest['seconds']}; "
-          f"total {time.time() - started:.0f} s")
-    risky = [f"{n} {versions.get(n) or '?'}: {r}" for n, reqs in sorted(info["held_required"].items())
-             for r in reqs if any(op in r for op in ("==", "<", "~="))]  # what an unseen version may break
-    print(f"held (not carried): {len(held)} packages; pins and upper bounds on them, for --check-held there:")
-    print("  " + "\n  ".join(risky))
-    print("excluded although required:", ", ".join(info.get("excluded", [])) or "none")
-    for r in info["replaced"]:
-        print(f"carried over the machine's: {r['name']} {r['machine']} -> {r['carried']}")
-    for path, names in shared.items():
-        print(f"installed by more than one wheel (the last one's copy kept): {path} {names}")
-    for p in writer.parts:
-        print(f"  {p['folder']}/{p['file']}  {p['bytes']} bytes  sha256 {p['sha256'][:16]}")
     print("\n" + text)
 
 
-def locate(parts_dir: Path, folder: str, name: str) -> Path | None:
-    """A bundle file as moved aside on the device (all in one folder) or as built here (in folders)."""
-    return next((p for p in (parts_dir / name, parts_dir / folder / name) if p.is_file()), None)
+def summarize(manifest: dict, total_s: float):
+    def mb(rows):
+        return sum(r["bytes"] or 0 for r in rows) / 1e6
+    parts, install = manifest["parts"], manifest["install"]
+    print(f"\n{manifest['name']}: carried {len(manifest['wheels'])} wheels ({mb(manifest['wheels']):.1f} MB), left out "
+          f"{len(manifest['left_out'])} ({mb(manifest['left_out']):.1f} MB); installed {install['files']} files, "
+          f"{install['bytes'] / 1e6:.1f} MB after pruning {len(manifest['pruned'])} files "
+          f"({mb(manifest['pruned']):.1f} MB); packed {sum(p['bytes'] for p in parts) / MIB:.1f} MiB "
+          f"({manifest['codec']} -{manifest['level']}) in {len(parts)} part(s); seconds {manifest['seconds']}; "
+          f"total {total_s:.0f} s")
+    print("left out:", ", ".join(f"{w['name']} {w['version']}" for w in manifest["left_out"]) or "none")
+    risky = [f"{n} {manifest['held'].get(n) or '?'}: {r}" for n, reqs in sorted(manifest["held_required"].items())
+             for r in reqs if any(op in r for op in ("==", "<", "~="))]  # what an unseen version may break
+    print(f"held (not carried): {len(manifest['held'])} packages; pins and upper bounds on them, for --check-held "
+          "there:\n  " + "\n  ".join(risky))
+    for r in manifest["replaced"]:
+        print(f"carried over the machine's: {r['name']} {r['machine']} -> {r['carried']}")
+    for path, names in manifest["install"]["shared_paths"].items():
+        print(f"installed by more than one wheel (the last one's copy kept): {path} {names}")
+    for p in parts:
+        print(f"  {p['folder']}/{p['file']}  {p['bytes']} bytes  sha256 {p['sha256'][:16]}")
 
 
-class Concat:
-    """The parts read back as one stream."""
-
-    def __init__(self, paths):
-        self.paths, self.f = list(paths), None
-
-    def read(self, n=-1):  # a short read only at a part's end: tarfile and the decoders accept that
-        while self.paths or self.f:
-            if self.f is None:
-                self.f = open(self.paths.pop(0), "rb")
-            data = self.f.read(n if n and n > 0 else -1)
-            if data:
-                return data
-            self.f.close()
-            self.f = None
-        return b""
+def prune_arg(text: str) -> tuple[str, str]:
+    dist, sep, pattern = text.partition(":")
+    if not (sep and dist and pattern):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DIST:GLOB, e.g. sglang-kernel:sgl_kernel/sm100/*")
+    return norm(dist), pattern
 
 
-def zstd_reader(stream, parts_dir: Path, manifest: dict, decoder: str):
-    """A decompressed stream, from the CLI, the zstandard module or the carried zstandard wheel."""
-    if decoder in ("auto", "cli") and shutil.which("zstd"):
-        proc = subprocess.Popen(["zstd", "-d", "-q", "-c", "--long=27"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-        def feed():
-            shutil.copyfileobj(stream, proc.stdin, MIB)
-            proc.stdin.close()
-        threading.Thread(target=feed, daemon=True).start()
-        return proc.stdout, proc
-    if decoder == "cli":
-        raise SystemExit("no zstd CLI here")
-    try:
-        import zstandard
-    except ImportError:
-        wheel = manifest.get("decoder_wheel") and locate(parts_dir, "meta", manifest["decoder_wheel"])
-        if not wheel:
-            raise SystemExit("cannot decompress: no zstd CLI, no zstandard module, no carried zstandard wheel")
-        tmp = tempfile.mkdtemp(prefix="zstandard-")
-        atexit.register(shutil.rmtree, tmp, True)
-        zipfile.ZipFile(wheel).extractall(tmp)
-        sys.path.insert(0, tmp)
-        import zstandard
-    return zstandard.ZstdDecompressor(max_window_size=1 << 27).stream_reader(stream), None
-
-
-def unpack(a):
-    parts_dir = Path(a.parts)
-    manifest_path = locate(parts_dir, "meta", "manifest.json")
-    if manifest_path is None:
-        raise SystemExit(f"no manifest.json in {parts_dir} or {parts_dir}/meta")
-    manifest = json.loads(manifest_path.read_text())
-    paths = []
-    for p in manifest["parts"]:  # every part checked before anything is written
-        path = locate(parts_dir, p["folder"], p["file"])
-        if path is None:
-            raise SystemExit(f"part {p['folder']} ({p['file']}) is missing under {parts_dir}")
-        if path.stat().st_size != p["bytes"] or sha256(path) != p["sha256"]:
-            raise SystemExit(f"part {p['folder']} ({p['file']}) is corrupt: sha256 or size differs from the manifest")
-        paths.append(path)
-    print(f"{len(paths)} parts verified ({sum(p['bytes'] for p in manifest['parts']) / 1e6:.1f} MB)")
-    t = time.time()
-    dest = Path(a.dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    stream, proc = Concat(paths), None
-    if manifest["codec"] == "zstd":
-        stream, proc = zstd_reader(stream, parts_dir, manifest, a.decoder)
-        mode = "r|"
-    else:
-        mode = "r|xz"
-    with tarfile.open(fileobj=stream, mode=mode) as tar:
-        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    if proc and proc.wait():
-        raise SystemExit(f"zstd -d failed ({proc.returncode})")
-    files, size = tree_stats(dest)
-    want = manifest["install"]
-    problems = [] if (files, size) == (want["files"], want["bytes"]) else [
-        f"tree: {files} files, {size} bytes; the manifest says {want['files']}, {want['bytes']}"]
-    for info, rows in dist_records(dest):
-        for rel, nbytes, digest in rows:
-            path = dest / rel
-            if not os.path.lexists(path):
-                problems.append(f"{info.name}: {rel} missing")
-            elif rel in want.get("shared_paths", {}):
-                continue
-            elif nbytes is not None and path.stat().st_size != nbytes:
-                problems.append(f"{info.name}: {rel} has {path.stat().st_size} bytes, RECORD says {nbytes}")
-            elif a.verify_hashes and digest:
-                algo, _, b64 = digest.partition("=")
-                got = base64.urlsafe_b64encode(file_hash(path, algo).digest()).rstrip(b"=").decode()
-                if got != b64:
-                    problems.append(f"{info.name}: {rel} hash differs from RECORD")
-    if problems:
-        raise SystemExit("extracted tree does not match:\n  " + "\n  ".join(problems[:20]))
-    print(f"OK: {files} files, {size / 1e6:.1f} MB, {len(want['dists'])} distributions in {dest} "
-          f"({time.time() - t:.1f} s to decompress, extract and check)")
-    if a.check_held:
-        check_held(manifest)
-
-
-def check_held(manifest: dict):
-    """Does this machine's copy of each held package meet what the bundle requires of it?"""
-    from importlib import metadata
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:
-        Requirement = None
-    bad = 0
-    for name, reqs in sorted(manifest.get("held_required", {}).items()):
-        try:
-            have = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            have = None
-        for text in reqs:
-            if have is None or (Requirement and not Requirement(text.rsplit(" (", 1)[0]).specifier.contains(
-                    have, prereleases=True)):
-                print(f"HELD MISMATCH: {name} {have or '(not installed)'} does not satisfy {text}")
-                bad += 1
-    print(f"held packages checked: {len(manifest.get('held_required', {}))}, problems: {bad}"
-          + ("" if Requirement else " (packaging missing: versions not compared)"))
+def size_arg(text: str) -> int:
+    units = {"K": 1 << 10, "M": MIB, "G": 1 << 30}
+    text = text.upper().rstrip("IB")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
-    b = sub.add_parser("build", help="resolve, download, install, pack and split (the default)")
+    b = sub.add_parser("build", help="resolve (or read the lock), download, install, prune, pack (the default)")
     b.add_argument("--packages", nargs="+", default=[ROOT_SPEC], help="what to bundle instead of sglang")
-    b.add_argument("--from-wheels", help="bundle these wheels as they are, with no resolving or download")
+    b.add_argument("--from-wheels", help="bundle these wheels as they are, with no resolving, lock or download")
     b.add_argument("--name", help="bundle name (default: from the first package)")
-    b.add_argument("--out", default=str(REPO / ".bundle"))
+    b.add_argument("--out", default=str(REPO / ".bundle"), help="the bundle goes to OUT/NAME")
     b.add_argument("--cache", default=str(REPO / ".bundle" / "cache"), help="downloaded wheels, kept across builds")
-    b.add_argument("--python", help="a Python 3.12 to resolve for (default: one found here)")
+    b.add_argument("--lock", help="the lock file (default: bench/locks/NAME.json)")
+    b.add_argument("--resolve", action="store_true", help="resolve again and rewrite the lock")
+    b.add_argument("--python", help="a Python 3.12 to resolve and install for (default: one found here)")
     b.add_argument("--held", nargs="*", default=[], help="more NAME[==VER] the machine has")
     b.add_argument("--carry", nargs="*", default=[], help="carry these even though the machine has them")
-    b.add_argument("--exclude", nargs="*", default=[], help="leave these out although required")
-    b.add_argument("--find-links")
+    b.add_argument("--allow", nargs="+", help="carry only these of the resolved wheels (default: the bundle's "
+                                              "allowlist, for sglang-0.5.17 the Engine path's 44)")
+    b.add_argument("--carry-all", action="store_true", help="carry every resolved wheel: no allowlist")
+    b.add_argument("--prune", nargs="*", type=prune_arg, help="DIST:GLOB files to delete before packing, instead "
+                                                              "of the bundle's prune list (none: prune nothing)")
+    b.add_argument("--find-links", help="a folder of wheels for pip (the tests' offline index)")
     b.add_argument("--no-index", action="store_true")
-    b.add_argument("--codec", choices=["zstd", "xz"], default="zstd")
-    b.add_argument("--level", type=int, help="compression level (default: zstd 10, xz 6)")
-    b.add_argument("--part-size", type=size_arg, default=56 * MIB, help="e.g. 56M, 64K")
+    b.add_argument("--codec", choices=["xz", "zstd"], default="xz")
+    b.add_argument("--level", type=int, help="compression level (default: xz 9, zstd 19)")
+    b.add_argument("--part-size", type=size_arg, help="e.g. 56M, 64K (default: what fits one call beside the tree)")
     b.add_argument("--keep-site", action="store_true", help="keep the install folder (work/site)")
-    pl = sub.add_parser("plan", help="print the device calls again, for the working tree as it is now")
+    pl = sub.add_parser("plan", help="print the device call again, for the working tree as it is now")
     pl.add_argument("bundle", nargs="?", default=str(REPO / ".bundle" / ROOT_SPEC.replace("==", "-")))
     u = sub.add_parser("unpack", help="verify the parts, decompress, extract, check against the manifest")
     u.add_argument("--parts", required=True, help="folder holding the parts and manifest.json (searched below)")
     u.add_argument("--dest", required=True)
-    u.add_argument("--decoder", choices=["auto", "cli", "module"], default="auto")
+    u.add_argument("--decoder", choices=["auto", "cli", "module"], default="auto", help="for zstd bundles")
     u.add_argument("--verify-hashes", action="store_true", help="also check every file's RECORD hash")
     u.add_argument("--check-held", action="store_true", help="check this machine's held packages' versions")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -582,10 +364,17 @@ def main(argv=None):
         text = plan(out, json.loads((out / "meta" / "manifest.json").read_text()))
         (out / "plan.txt").write_text(text)
         return print(text)
-    a.level = a.level or (10 if a.codec == "zstd" else 6)
-    a.exclude = {norm(n) for n in a.exclude}
+    a.level = a.level if a.level is not None else (9 if a.codec == "xz" else 19)
     a.name = a.name or (Path(a.from_wheels).name if a.from_wheels else a.packages[0].replace("==", "-"))
+    a.lock = a.lock or str(REPO / "bench" / "locks" / f"{a.name}.json")
     a.pip_args = (["--find-links", a.find_links] if a.find_links else []) + (["--no-index"] if a.no_index else [])
+    default_allow, default_prune = PROFILES.get(a.name, (None, {}))
+    a.allow = None if a.carry_all else {norm(n) for n in a.allow} if a.allow else default_allow
+    if a.allow is not None:
+        a.allow = set(a.allow) | {norm(n) for n in a.carry}  # asked to carry: allowed
+    given, a.prune = a.prune, default_prune if a.prune is None else {}
+    for dist, pattern in given or []:
+        a.prune.setdefault(dist, []).append((pattern, "given on the command line"))
     build(a)
 
 
