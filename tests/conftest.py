@@ -11,7 +11,9 @@
   slower beside another file). SGLang's engines bind their own threads (``sglang_args.cpu_engine_env``).
 - The tests that run the real SGLang engine take the ``sglang_venv_python`` fixture. When any of
   them is collected, the venv's build (or the check that it is current) starts in the background at
-  once (``tests/sglang_cpu/env.py``) and overlaps the tests before them.
+  once (``tests/sglang_cpu/env.py``) and overlaps the tests before them. So does the build of the GPU
+  machine's package set and the SGLang bundle (``tests/sglang_gpu/env.py``) for the test that takes
+  ``sglang_gpu_bundle``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import pytest
 
 from rollpacker.testing import kill_group
 from tests.sglang_cpu.env import CACHE, build_in_background, sglang_python
+from tests.sglang_gpu import env as sglang_gpu_env
 
 # node id prefix -> why CI may skip it
 ALLOWED_CI_SKIPS = {
@@ -32,10 +35,11 @@ ALLOWED_CI_SKIPS = {
 
 # the files of over a minute, longest first (``--durations`` of a sequential clean-clone run: 453, 180,
 # 262, 205, 121, 100, 90, 76, 58, 45 s); the second is not an SGLang one, so that one worker has work
-# while the first waits for the venv's build
+# while the first waits for the venv's build; test_sglang_gpu_bundle.py (45-70 s once built) goes where
+# its background build (1.5 minutes from nothing on an idle machine, about 5 beside the first files) is done
 LONGEST_FIRST = ("test_sglang_real.py", "test_train_program.py", "test_multinode.py", "test_gpu_acceptance.py",
                  "test_resume_shipped.py", "test_stale_sync.py", "test_eval.py", "test_slurm_launch.py",
-                 "test_checkpoint_faults.py", "test_policy_quality.py")
+                 "test_sglang_gpu_bundle.py", "test_checkpoint_faults.py", "test_policy_quality.py")
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -59,13 +63,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not session.config.option.collectonly and any(
-            "sglang_venv_python" in getattr(item, "fixturenames", ()) for item in session.items):
-        proc = build_in_background(CACHE / "background-build.log")
-        # reaped as soon as it ends: a finished child left unwaited is a zombie of this process, which
-        # tests that count this process's zombies would see (tests/test_reward_pool.py)
-        threading.Thread(target=proc.wait, name="sglang-venv-build-reaper", daemon=True).start()
-        _venv_build.append(proc)
+    if session.config.option.collectonly:
+        return
+    fixtures = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    for fixture, start, log in (("sglang_venv_python", build_in_background, CACHE / "background-build.log"),
+                                ("sglang_gpu_bundle", sglang_gpu_env.build_in_background,
+                                 sglang_gpu_env.CACHE / "background-build.log")):
+        if fixture in fixtures:
+            proc = start(log)
+            # reaped as soon as it ends: a finished child left unwaited is a zombie of this process, which
+            # tests that count this process's zombies would see (tests/test_reward_pool.py)
+            threading.Thread(target=proc.wait, name=f"{fixture}-build-reaper", daemon=True).start()
+            _venv_build.append(proc)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

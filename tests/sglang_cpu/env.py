@@ -40,7 +40,7 @@ import zipfile
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 DEFAULT_VERSION = "0.5.23"  # the pin; the venv every test run builds
 VERSION_ENV = "ROLLPACKER_SGLANG_VERSION"
@@ -219,13 +219,14 @@ def _build(venv: Path, ver: str, wheel: Path, install: list[str], notes: list[st
 
 
 @contextmanager
-def _locked() -> Iterator[None]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "build.lock", "w") as fh:
+def build_lock(cache: Path, what: str, log: Callable[[str], None] = _log) -> Iterator[None]:
+    """``cache``'s build lock, held while ``what`` is built or checked; says so when it must wait."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "build.lock", "w") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _log("another process is building or checking the venv; waiting for it")
+            log(f"another process is building or checking {what}; waiting for it")
             fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -238,7 +239,7 @@ def sglang_python(requested: str | None = None) -> Path:
     on first use."""
     ver = version(requested)
     venv = venv_dir(ver)
-    with _locked():
+    with build_lock(CACHE, "the venv"):
         base = _base_versions()
         wheel = _wheel(ver)
         install, notes = _requirements(wheel, ver, base)
