@@ -33,7 +33,8 @@ The SGLang checks need sglang importable by this interpreter: on the GPU machine
 ``SGLANG_USE_CPU_ENGINE=1``); without it they fail and say so.
 
 Writes ``OUT/acceptance.json`` (every figure) and ``OUT/acceptance.md`` (the summary), rewritten
-after each check so that a run cut short keeps what it measured.
+after each check so that a run cut short keeps what it measured. A lent GPU window's one call runs
+these checks through ``bench/gpu_run.py`` instead: in priority order, each within a time budget.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ from bench import gpu_attention_checks as attention
 from bench import gpu_rollout_checks as rollout
 from bench import gpu_sglang_checks as sglang
 from bench import gpu_trainer_checks as trainer
+from bench.gpu_markdown import details, figures
 from bench.gpu_trainer_checks import Subject, write_json
 from rollpacker.rollout.sglang_args import cpu_shares
 
@@ -169,33 +171,16 @@ def markdown(results: dict[str, Any]) -> str:
              f"{env['python']}, Transformer Engine {'present' if env['transformer_engine'] else 'absent'}, "
              f"commit {env['commit']}.", "", "| check | verdict | figures |", "|---|---|---|"]
     for name, r in results["checks"].items():
-        figures = r.get("error") or ", ".join(f"{k}={_fmt(v)}" for k, v in r.items()
-                                              if k not in ("ok", "seconds", "traceback") and not isinstance(v, dict)
-                                              and not (isinstance(v, list) and len(v) > 12))
-        lines.append(f"| {name} | {'ok' if r['ok'] else '**FAIL**'} | {figures} ({r['seconds']:.1f} s) |")
+        lines.append(f"| {name} | {'ok' if r['ok'] else '**FAIL**'} | {figures(r)} ({r['seconds']:.1f} s) |")
     lines += [f"| {name} | skipped (--skip) | |" for name in results.get("skipped", [])]
-    for name, r in results["checks"].items():
-        for key, value in r.items():
-            if isinstance(value, dict):
-                lines.append(f"\n**{name} / {key}**: " + ", ".join(f"{k}={_fmt(v)}" for k, v in value.items()
-                                                                 if not isinstance(v, (dict, list))))
-        if r.get("rows"):
-            columns = list(r["rows"][0])
-            lines += ["", f"**{name}**", "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-            lines += ["| " + " | ".join(_fmt(row[c]) for c in columns) + " |" for row in r["rows"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + details(results["checks"])) + "\n"
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
-    return str(v)
-
-
-def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict[str, Any]]]:
-    """Every check by name, bound to its subject (built lazily: only the chosen one runs)."""
+def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, Any]], None] | None = None,
+                profile_dir: Path | None = None) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Every check by name, bound to its subject (built lazily: only the chosen one runs). ``progress``
+    receives a check's result so far after each of its stages (the SGLang engine check and the
+    programs); ``profile_dir`` gets a torch profile of each trainer throughput check."""
     from megatron_ext.parallel import setup_layout
 
     sizes = GPU if device.type == "cuda" else CPU
@@ -210,15 +195,20 @@ def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict
                        f"{s.name}/loss_falls": lambda s=s: trainer.check_loss_falls(s, sizes.loss_steps),
                        f"{s.name}/offload_and_optimizer_state": lambda s=s: trainer.check_offload_and_state(s),
                        f"{s.name}/engine_greedy_parity": lambda s=s: rollout.check_greedy_parity(s),
-                       f"{s.name}/sglang_engine": lambda s=s: sglang.check_engine(s)})
+                       f"{s.name}/sglang_engine": lambda s=s: sglang.check_engine(s, progress=progress)})
     big = subjects[1]
+
+    def profile(name: str) -> Path | None:
+        return profile_dir / f"profile-{name}.txt" if profile_dir else None
+
     checks.update({
         f"{big.name}/trainer_throughput": lambda: _with_goal(big.name, trainer.check_throughput(
-            big, sizes.throughput_tokens, sizes.throughput_micro_batches)),
+            big, sizes.throughput_tokens, sizes.throughput_micro_batches, profile=profile(big.name))),
         f"{sizes.widths_name}/trainer_throughput": lambda: _with_goal(
             sizes.widths_name, trainer.check_throughput_7b_widths(
                 work, device, layout, tokens_per_micro_batch=sizes.throughput_tokens,
-                micro_batches=sizes.throughput_micro_batches, shape=sizes.widths, name=sizes.widths_name)),
+                micro_batches=sizes.throughput_micro_batches, shape=sizes.widths, name=sizes.widths_name,
+                profile=profile(sizes.widths_name))),
         "attention/packed_kernels": lambda: attention.check_packed_kernels(device),
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
@@ -227,9 +217,9 @@ def check_table(device: torch.device, work: Path) -> dict[str, Callable[[], dict
         f"{big.name}/sglang_throughput": lambda: sglang.check_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         "program/baseline_vs_tail_batching": lambda: rollout.check_program(
-            device, work, sizes.program_steps, sizes.program_timeout_s),
+            device, work, sizes.program_steps, sizes.program_timeout_s, progress=progress),
         "program/sglang_baseline_vs_tail_batching": lambda: rollout.check_program(
-            device, work, sizes.program_steps, sizes.program_timeout_s, backend="sglang")})
+            device, work, sizes.program_steps, sizes.program_timeout_s, backend="sglang", progress=progress)})
     return checks
 
 
@@ -254,9 +244,33 @@ def _with_goal(name: str, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_one(device: torch.device, work: Path, name: str, result_file: Path) -> None:
-    """Entry of a check's own process: run it and write its result."""
-    result = check_table(device, work)[name]()
+def make_shape_model(device: torch.device, work: Path) -> None:
+    """The random model of the run's shape (``Sizes.shape``) in ``work``, written once: the checks of
+    that subject read it. Written aside and renamed, so that a check killed while writing it
+    (bench/gpu_run.py) leaves none that the next check would take for whole."""
+    import shutil
+
+    from rollpacker.testing import make_random_qwen2
+
+    sizes = GPU if device.type == "cuda" else CPU
+    model_dir = work / sizes.shape_name
+    if model_dir.exists():
+        return
+    aside = work / f"{sizes.shape_name}.partial"
+    shutil.rmtree(aside, ignore_errors=True)
+    make_random_qwen2(aside, seed=11, **sizes.shape)
+    aside.rename(model_dir)
+
+
+def run_one(device: torch.device, work: Path, name: str, result_file: Path, profile_dir: Path | None = None) -> None:
+    """Entry of a check's own process: run it and write its result. The result so far is written
+    after each stage of a check that has stages, marked ``partial`` and not ok: a check killed at a
+    time limit (bench/gpu_run.py) keeps what it measured."""
+    def progress(partial: dict[str, Any]) -> None:
+        write_json(result_file, {**partial, "ok": False, "partial": True})
+
+    make_shape_model(device, work)
+    result = check_table(device, work, progress, profile_dir)[name]()
     write_json(result_file, result)
 
 
@@ -272,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("work", type=Path)
     one.add_argument("result", type=Path)
     one.add_argument("--cpus", help="run on these CPUs only (a job's share of the machine under --jobs)")
+    one.add_argument("--profile", type=Path, help="write the trainer throughput checks' torch profiles here")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "gpu_acceptance")
     p.add_argument("--only", nargs="*", help="run only the checks whose names start with these")
@@ -290,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         if args.cpus:
             _confine(sorted(int(c) for c in args.cpus.split(",")))
-        run_one(torch.device(args.device), args.work, args.name, args.result)
+        run_one(torch.device(args.device), args.work, args.name, args.result, args.profile)
         return 0
     return run(torch.device(args.device), args.out, only=args.only, skip=args.skip, jobs=args.jobs)
 
 
-def _matches(name: str, prefixes: list[str] | None) -> bool:
+def matches(name: str, prefixes: list[str] | None) -> bool:
     return any(name.startswith(o) or name.split("/")[-1].startswith(o) for o in prefixes or [])
 
 
@@ -305,19 +320,14 @@ def run(device: torch.device, out: Path, only: list[str] | None = None, skip: li
     device memory (Megatron's DDP and optimizer keep trainers alive past ``del`` and ``gc``). With
     ``jobs`` > 1 (CPU), that many at once, each on its own share of the CPUs (``_cpu_shares``);
     results are still recorded in the checks' order."""
-    from rollpacker.testing import make_random_qwen2
-
-    sizes = GPU if device.type == "cuda" else CPU
     report = Report(out, device)
     work = out / "work"
-    work.mkdir(exist_ok=True)
-    if not (work / sizes.shape_name / "config.json").exists():
-        make_random_qwen2(work / sizes.shape_name, seed=11, **sizes.shape)
+    make_shape_model(device, work)
     chosen = []
     for name in check_names(device):
-        if only and not _matches(name, only):
+        if only and not matches(name, only):
             continue
-        if _matches(name, skip):
+        if matches(name, skip):
             report.skip(name)
             continue
         chosen.append(name)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -173,12 +173,12 @@ LOGPROB_MISMATCH_CHECK = {"cpu": ("train/logprob_mismatch_max", 3e-5), "cuda": (
 CPU_SYNC_BOUND = LOGPROB_MISMATCH_CHECK["cpu"][1]
 
 
-def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
-                  backend: str = "reference") -> dict[str, Any]:
+def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int, backend: str = "reference",
+                  progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The real program (torchrun, one rank, the shipped policy and example) on rollout ``backend``: the
     synchronous baseline and tail batching back to back on the same machine, the trainer and the
     engine sharing the device (offload/onload each step); seconds per step, their ratio, and each
-    step's weight-sync check."""
+    step's weight-sync check. ``progress`` receives the modes run so far after each one."""
     modes = {}
     for mode in ("baseline", "tail_batching"):
         run_dir = out_dir / f"program-{backend}"
@@ -211,6 +211,8 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
                        "logprob_mismatch_max": [m["train/logprob_mismatch_max"] for m in metrics],
                        "sync_ok": all(v == 0.0 for v in sync) if backend == "reference"
                        else all(v < mismatch_bound for v in sync)}
+        if progress:
+            progress({"device": str(device), "backend": backend, "modes": modes})
     ratio = modes["baseline"]["sum_step_s"] / modes["tail_batching"]["sum_step_s"]
     # step 1 carries each process's one-off costs (CUDA context, kernel loading, allocator growth)
     warm = sum(modes["baseline"]["step_s"][1:]) / max(sum(modes["tail_batching"]["step_s"][1:]), 1e-9)

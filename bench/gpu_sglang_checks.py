@@ -11,12 +11,14 @@ arguments), on the device under test.
   context and sglang's own buffers below the plan; a plan that over-predicts by more than 5% would
   let the preflight pass configs that do not fit. On CPU the pool is ``rollout.kv_cache_tokens``
   exactly (``max_total_tokens``).
-* ``greedy``: greedy tokens against transformers in fp32. The engine computes in fp32 where it can
-  (exact token equality is then the bar); if sglang refuses fp32 on the device, it runs in bf16,
-  and then every divergence must sit at a near-tie of the fp32 reference: at the first differing
-  position the reference's logit for its own token may exceed the engine's token's logit by at most
-  ``BF16_TIE_MARGIN``. (bf16 keeps 8 mantissa bits; the trainer's bf16 log-probs measured a mean
-  error of 0.0097 against fp32 on the 0.5B shape, docs/gpu/2026-11-23-h100: 0.1 is ten times that.)
+* ``greedy``: greedy tokens against transformers in fp32. On CPU the engine computes in fp32 and
+  exact token equality is the bar. On a GPU it runs in bf16, as training does, so that the check
+  costs one engine start (each start on a fresh machine JIT-compiles sglang's RoPE kernel, and an
+  fp32 start that sglang refuses would cost a second one): every divergence must then sit at a
+  near-tie of the fp32 reference: at the first differing position the reference's logit for its own
+  token may exceed the engine's token's logit by at most ``BF16_TIE_MARGIN``. (bf16 keeps 8 mantissa
+  bits; the trainer's bf16 log-probs measured a mean error of 0.0097 against fp32 on the 0.5B shape,
+  docs/gpu/2026-11-23-h100: 0.1 is ten times that.)
 * ``push``: trainer tensors (the Megatron trainer on the same device, weights perturbed) pushed
   through ``SGLangEngine.update_weights`` (CUDA IPC handles to the engine host on a GPU), then the
   greedy check again against transformers loaded with the same tensors; the perturbation must change
@@ -29,14 +31,16 @@ arguments), on the device under test.
 
 ``check_throughput`` measures decode tokens/s by batch size for sglang and the reference engine on
 the same prompts in the same process, one after the other.
+
+``progress``, where given, receives the result so far after each stage of ``check_engine``: a check
+killed at its time limit (``bench/gpu_run.py``) keeps the stages that finished.
 """
 from __future__ import annotations
 
 import contextlib
 import random
 import time
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -116,22 +120,21 @@ def _planned_kv_tokens(subject: Subject, cfg: RolloutConfig, dtype: str) -> int:
     return int((static - engine_weight_bytes(spec, 1, width)) // kv_bytes_per_token(spec, 1, width))
 
 
-def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32) -> dict[str, Any]:
+def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32,
+                 progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """One sglang engine on the device: KV vs the plan, greedy parity, weight push, release/resume."""
     spec = parse_spec(subject.model_dir)
     batch = _prompts(spec.vocab_size, prompts, seed=7)
     cfg = RolloutConfig(backend="sglang", kv_cache_tokens=8192, sglang_base_port=free_base_port(1),
                         mem_fraction_static=GPU_MEM_FRACTION if subject.cuda else 0.05)
     free_before = _free_bytes(subject.device)
-    result: dict[str, Any] = {}
-    try:
-        dtype, engine = "float32", _start(subject, cfg, "float32")
-    except Exception as exc:  # noqa: BLE001 - recorded; bf16 is the documented fallback on a GPU
-        if not subject.cuda:
-            raise
-        result["fp32_refused"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        dtype, engine = "bfloat16", _start(subject, cfg, "bfloat16")
-    result["dtype"] = dtype
+    dtype = "bfloat16" if subject.cuda else "float32"
+    result: dict[str, Any] = {"dtype": dtype}
+    t0 = time.perf_counter()
+    engine = _start(subject, cfg, dtype)
+    result["start_s"] = time.perf_counter() - t0
+    stage = progress or (lambda _: None)
+    stage(result)
     with contextlib.ExitStack() as stack:
         stack.callback(engine.shutdown)
         free_started = _free_bytes(subject.device)
@@ -139,11 +142,13 @@ def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32) -> di
         ratio = capacity / planned
         result["kv"] = {"engine_tokens": capacity, "planned_tokens": planned, "ratio": ratio,
                         "ok": (KV_PLAN_BAND[0] <= ratio <= KV_PLAN_BAND[1]) if subject.cuda else capacity == planned}
+        stage(result)
 
         model = hf_model(subject.model_dir, subject.device)
         want = hf_greedy(model, batch, new_tokens)
         result["greedy"] = compare_greedy(model, batch, _generate(engine, batch, new_tokens), want,
                                           exact=dtype == "float32")
+        stage(result)
 
         trainer = Trainer(trainer_config(subject), subject.model_dir, subject.layout)
         _perturb(trainer, seed=3)
@@ -158,6 +163,7 @@ def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32) -> di
                           "seconds": push_s, "bytes": sum(t.numel() * t.element_size() for _, t in pushed),
                           "changes_output": want_after != want}
         result["push"]["ok"] = result["push"]["ok"] and result["push"]["changes_output"]
+        stage(result)
 
         free_loaded = _free_bytes(subject.device)
         engine.release_memory()

@@ -294,12 +294,14 @@ def _max_tensor_diff(a: Any, b: Any, path: str = "") -> tuple[float, str]:
 
 
 def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batches: int, *,
-                     min_mfu: float | None = None, **trainer_changes: Any) -> dict[str, Any]:
+                     min_mfu: float | None = None, profile: Path | None = None,
+                     **trainer_changes: Any) -> dict[str, Any]:
     """Trainer tokens/s and MFU: forward+backward of packed micro-batches of long-tailed sequences.
 
     ``trainer_changes``: TrainerConfig fields for this run (e.g. ``packed_attention="per_sequence"``,
     ``fused_swiglu=True``). ``min_mfu``: on CUDA the verdict also asks for at least this MFU.
     Reports which packed attention path the layers took (``attention_paths``: path -> layers).
+    ``profile``: write torch.profiler's tables of two more micro-batches there, after the timing.
     """
     spec = parse_spec(subject.model_dir)
     rng = random.Random(5)
@@ -349,12 +351,37 @@ def check_throughput(subject: Subject, tokens_per_micro_batch: int, micro_batche
     if subject.cuda:
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(subject.device)
         result.update(_predicted_peak(spec, mb.num_tokens, subject.dtype))
+    if profile is not None:
+        _write_profile(profile, backend, mb, loss_fn, subject.device,
+                       f"{spec.num_layers} layers, hidden {spec.hidden_size}: {seconds:.4f} s per micro-batch of "
+                       f"{mb.num_tokens} tokens ({len(samples)} sequences), MFU {mfu}, attention paths "
+                       f"{result['attention_paths']}")
     del trainer
     result.update(loss_tokens=loss_tokens, expected_loss_tokens=expected_tokens)
     result["ok"] = complete and (min_mfu is None or mfu is None or mfu >= min_mfu)
     if min_mfu is not None:
         result["min_mfu"] = min_mfu
     return result
+
+
+def profile_tables(prof: Any, cuda: bool) -> str:
+    """A torch.profiler run's operators by self device time (on CUDA) and by self CPU time."""
+    averages = prof.key_averages()
+    tables = ([averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)] if cuda
+              else [])
+    return "\n".join(tables + [averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)])
+
+
+def _write_profile(path: Path, backend: Any, mb: Any, loss_fn: Any, device: torch.device, header: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            backend.forward_backward([mb], loss_fn)
+        _sync(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{header}\n{profile_tables(prof, device.type == 'cuda')}\n")
 
 
 def random_model_subject(work: Path, name: str, shape: dict[str, Any], device: torch.device, layout: ParallelLayout,
@@ -372,11 +399,13 @@ def random_model_subject(work: Path, name: str, shape: dict[str, Any], device: t
 def check_throughput_7b_widths(work: Path, device: torch.device, layout: ParallelLayout, *,
                                tokens_per_micro_batch: int = 8192, micro_batches: int = 5,
                                shape: dict[str, Any] = QWEN25_7B_WIDTHS_4L, name: str = "qwen2.5-7b-widths-4l",
-                               min_mfu: float | None = None, **trainer_changes: Any) -> dict[str, Any]:
+                               min_mfu: float | None = None, profile: Path | None = None,
+                               **trainer_changes: Any) -> dict[str, Any]:
     """:func:`check_throughput` on a random model of Qwen2.5-7B's widths with 4 layers, 8,192-token packed
     micro-batches by default (``shape``/``name``: a small model for a CPU dry run)."""
     subject = random_model_subject(work, name, shape, device, layout)
-    result = check_throughput(subject, tokens_per_micro_batch, micro_batches, min_mfu=min_mfu, **trainer_changes)
+    result = check_throughput(subject, tokens_per_micro_batch, micro_batches, min_mfu=min_mfu, profile=profile,
+                              **trainer_changes)
     return {"shape": name, **result}
 
 

@@ -13,8 +13,8 @@ from functools import partial
 from pathlib import Path
 import torch
 from bench.gpu_acceptance import QWEN25_05B
-from bench.gpu_trainer_checks import (PEAK_BF16_FLOPS, QWEN25_7B_WIDTHS_4L, Subject, make_groups, trainer_config,
-                                     training_flops)
+from bench.gpu_trainer_checks import (PEAK_BF16_FLOPS, QWEN25_7B_WIDTHS_4L, Subject, make_groups, profile_tables,
+                                     trainer_config, training_flops)
 from megatron_ext.parallel import setup_layout
 from megatron_ext.sdpa_attention import packed_attention_paths
 from rollpacker.hf_spec import parse_spec
@@ -61,8 +61,7 @@ from torch.profiler import profile, ProfilerActivity
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     for _ in range(2): backend.forward_backward([mb], loss_fn)
     torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+print(profile_tables(prof, cuda=True))
 # forward only timing split
 torch.cuda.synchronize(); t = time.perf_counter()
 with torch.no_grad():

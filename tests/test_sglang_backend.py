@@ -205,6 +205,30 @@ def test_server_args_on_cpu_are_sglangs_plain_torch_path():
         server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=0, device="meta")
 
 
+def test_gpu_engine_kernels_come_from_the_config_and_its_env_keeps_the_users_values(monkeypatch):
+    """On a GPU the engine gets the config's attention and sampling backends (the carried 0.5.17's
+    triton / pytorch by default; None or "auto" leave sglang's own choice), and its host the GPU
+    engine environment, less any variable the user set; a CPU engine keeps its plain-torch kernels."""
+    from rollpacker.rollout.sglang_args import GPU_ENGINE_ENV, gpu_engine_env
+
+    gpu = server_args("/m", RolloutConfig(backend="sglang"), tp_size=1, local_rank=0, gpu_id=0, engine_id=0)
+    assert (gpu["attention_backend"], gpu["sampling_backend"]) == ("triton", "pytorch")
+    own = RolloutConfig(backend="sglang", sglang_attention_backend=None, sglang_sampling_backend="auto")
+    gpu = server_args("/m", own, tp_size=1, local_rank=0, gpu_id=0, engine_id=0)
+    assert "attention_backend" not in gpu and "sampling_backend" not in gpu
+    cpu = server_args("/m", own, tp_size=1, local_rank=0, engine_id=0, device="cpu")
+    assert (cpu["attention_backend"], cpu["sampling_backend"]) == ("torch_native", "pytorch")
+    with pytest.raises(ConfigError, match="sglang_sampling_backend"):
+        RolloutConfig(backend="sglang", sglang_sampling_backend="").validate()
+    for key in GPU_ENGINE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert gpu_engine_env() == GPU_ENGINE_ENV == {"SGLANG_IS_FLASHINFER_AVAILABLE": "false",
+                                                  "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1", "TRITON_F32_DEFAULT": "ieee"}
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
+    assert "TRITON_F32_DEFAULT" not in gpu_engine_env()
+    assert host_env(gpu_engine_env())["TRITON_F32_DEFAULT"] == "tf32"
+
+
 def test_cpu_engine_env_splits_the_cpus_among_tp_ranks(monkeypatch):
     """sglang 0.5.23 on CPU gives each TP rank a NUMA node unless SGLANG_CPU_OMP_THREADS_BIND is set;
     set, each TP rank binds to the CPUs of its own node-local rank, so that the TP-1 engines of a

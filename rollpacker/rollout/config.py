@@ -35,6 +35,12 @@ class RolloutConfig:
     weight_bucket_mb: int = 512  # size bound of one weight-update bucket
     sglang_base_port: int = 30000  # sglang: a node's engines use [base, base + SGLANG_PORT_SPAN)
     drain_timeout_s: float = 120.0  # sglang: longest wait for aborted requests to drain before a release
+    # sglang on a GPU: the engine's attention and sampling kernels (sglang's --attention-backend and
+    # --sampling-backend). The defaults run the sglang 0.5.17 bundle carried to a GPU machine without
+    # flashinfer's kernels (``sglang_args.GPU_ENGINE_ENV``); None or "auto" leaves the choice to sglang,
+    # for a full sglang install. A CPU engine always runs torch_native / pytorch.
+    sglang_attention_backend: str | None = "triton"
+    sglang_sampling_backend: str | None = "pytorch"
 
     def validate(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
@@ -59,5 +65,8 @@ class RolloutConfig:
         if self.sglang_base_port < RENDEZVOUS_PORTS.stop and top > RENDEZVOUS_PORTS.start:
             raise ConfigError(f"sglang ports [{self.sglang_base_port}, {top}) overlap the rendezvous ports "
                               f"[{RENDEZVOUS_PORTS.start}, {RENDEZVOUS_PORTS.stop}) of launch/train.sh")
+        for key in ("sglang_attention_backend", "sglang_sampling_backend"):
+            if getattr(self, key) == "":
+                raise ConfigError(f"{key} must name a backend, or be null or auto for sglang's own choice")
         if self.drain_timeout_s <= 0:
             raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")

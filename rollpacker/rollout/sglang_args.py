@@ -43,9 +43,10 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
                 dtype: str | None = None) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``.
 
-    On a GPU (``device`` of type cuda) the engine starts at ``gpu_id`` with sglang's own kernels and
-    CUDA graphs, its memory under the memory saver (release/resume) and its KV pool sized by
-    ``mem_fraction_static``. On CPU (``device`` "cpu") it runs sglang's plain-torch path:
+    On a GPU (``device`` of type cuda) the engine starts at ``gpu_id`` with the attention and sampling
+    backends of ``cfg`` (sglang's own choice where they are None or "auto") and CUDA graphs, its
+    memory under the memory saver (release/resume) and its KV pool sized by ``mem_fraction_static``.
+    On CPU (``device`` "cpu") it runs sglang's plain-torch path:
     - torch-native attention and the pytorch sampler: sglang's CPU defaults are the ``intel_amx``
       attention backend and ``sgl_kernel`` CPU ops, which a CPU build without AMX kernels lacks;
     - no CUDA graphs, and no memory saver: ``torch_memory_saver`` is CUDA-only, so release/resume
@@ -75,9 +76,38 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
     if gpu_id is None:
         raise ValueError("a GPU sglang engine needs gpu_id (its base_gpu_id)")
     out = dict(common, base_gpu_id=gpu_id, enable_memory_saver=True)
+    for key, value in (("attention_backend", cfg.sglang_attention_backend),
+                       ("sampling_backend", cfg.sglang_sampling_backend)):
+        if value not in (None, "auto"):
+            out[key] = value
     if dtype is not None:
         out["dtype"] = dtype
     return out
+
+
+# Environment of a GPU engine's host process (``gpu_engine_env``), for sglang 0.5.17 as carried to a
+# machine whose torch is held (docs/gpu/README.md), with the config's default kernels (triton
+# attention, pytorch sampling); a full install may drop it.
+GPU_ENGINE_ENV: dict[str, str] = {
+    # flashinfer stays importable (sglang's engine path imports it) but its kernels are not used: the
+    # carried 0.6.15.post1 has no prebuilt kernels (no flashinfer-cubin of that version) and would
+    # JIT-compile them on a fresh machine. sglang 0.5.17 ``srt/utils/common.py:350-357``:
+    # ``is_flashinfer_available`` is False when this is false, before it looks for the package.
+    "SGLANG_IS_FLASHINFER_AVAILABLE": "false",
+    # tvm_ffi (0.1.11, sglang 0.5.17's pin) loads a torch DLPack add-on at import unless this is set
+    # (``tvm_ffi/_optional_torch_c_dlpack.py:206``), building it with the host's compiler when none is
+    # cached (line 140), as on every fresh machine.
+    "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
+    # triton (3.6.0, torch 2.11's) runs an fp32 ``tl.dot`` in TF32 unless this names a precision
+    # (``triton/language/core.py:2024``, read via ``knobs.py:484``): an engine served in fp32 would
+    # otherwise compute its attention in TF32.
+    "TRITON_F32_DEFAULT": "ieee",
+}
+
+
+def gpu_engine_env() -> dict[str, str]:
+    """``GPU_ENGINE_ENV`` less the variables the caller already set: a user's own value wins."""
+    return {k: v for k, v in GPU_ENGINE_ENV.items() if k not in os.environ}
 
 
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"

@@ -5,8 +5,9 @@ The first rank of each rollout TP group leads one sglang engine with ``tp_size``
 and ``base_gpu_id`` = that rank's local GPU; sglang starts its own TP worker processes on the
 group's GPUs, so the other ranks of the group have nothing to drive. Each engine owns a block of
 ports chosen by (node-local rank, TP size), so that no two engines on a node share one, whichever
-TP sets a rank leads (``engine_ports``). With ``device="cpu"`` the engine runs sglang's plain-torch
-CPU path (``sglang_args.server_args``, ``cpu_engine_env``).
+TP sets a rank leads (``engine_ports``). On a GPU the engine host gets ``sglang_args.GPU_ENGINE_ENV``
+(what the user set is kept); with ``device="cpu"`` the engine runs sglang's plain-torch CPU path
+(``sglang_args.server_args``, ``cpu_engine_env``).
 
 Each engine lives in an engine host process of its own (``sglang_host``: one sglang config per
 process, sglang's signal handlers and its shutdown's process killing kept out of the rank). The
@@ -74,7 +75,7 @@ import rollpacker
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RolloutEngine
 from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLANG_PIN, check_call, surface_for
-from rollpacker.rollout.sglang_args import cpu_engine_env, server_args
+from rollpacker.rollout.sglang_args import cpu_engine_env, gpu_engine_env, server_args
 from rollpacker.rollout.sglang_host import DOORBELL_ENV, KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV, SGLangDriver
 
 START_TIMEOUT_S = 900.0  # an engine host's start: sglang loads the model and sizes its KV pool
@@ -112,8 +113,8 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
 
 
 def host_env(extra: dict[str, str]) -> dict[str, str]:
-    """The engine host's environment: the rank's, with ``SGLANG_ENV`` and ``extra`` (``cpu_engine_env``)
-    set and ``TORCHELASTIC_USE_AGENT_STORE`` removed (review C2).
+    """The engine host's environment: the rank's, with ``SGLANG_ENV`` and ``extra`` (``cpu_engine_env``
+    or ``gpu_engine_env``) set and ``TORCHELASTIC_USE_AGENT_STORE`` removed (review C2).
 
     torchrun's c10d rendezvous sets that variable to True in every worker. sglang's schedulers would
     inherit it, and their ``init_process_group("tcp://127.0.0.1:<nccl_port>")`` then only creates
@@ -287,8 +288,8 @@ class SGLangEngine(RolloutEngine):
             self._host = _LocalHost(engine_cls, kwargs, cfg, engine_id, vocab_size, double_version)
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            on_cpu = cpu_engine_env(len(ranks), local_rank, local_ranks) if dev.type == "cpu" else {}
-            env = {**host_env(on_cpu),
+            extra = cpu_engine_env(len(ranks), local_rank, local_ranks) if dev.type == "cpu" else gpu_engine_env()
+            env = {**host_env(extra),
                    LOG_LEVEL_ENV: str(logging.getLogger().getEffectiveLevel())}
             self._host = _ProcessHost(kwargs, cfg, engine_id, vocab_size, env)
 
