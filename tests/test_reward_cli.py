@@ -15,7 +15,7 @@ def test_cli_scores_every_line_in_order_and_reports_the_malformed_one(tmp_path):
         '{"data_source": "math", "response": "\\\\boxed{3}"',  # truncated JSON
         {"data_source": "code", "response": "```python\nprint(input()[::-1])\n```",
          "tests": [{"stdin": "abc\n", "stdout": "cba\n"}]},
-        {"data_source": "gsm8k", "response": "The answer is 41", "ground_truth": "42"},
+        {"data_source": "gsm8k", "response": r"The answer is \boxed{41}", "ground_truth": "42"},
         {"data_source": "code", "response": "no program here", "tests": [{"stdin": "", "stdout": ""}]},
         {"data_source": "math", "ground_truth": "1"},  # no response
     ]

@@ -1,10 +1,11 @@
-"""Math answers: an equivalence table through math-verify, and routing by data_source."""
+"""Math answers: an equivalence table through math-verify, the two ways of reading the answer, and
+routing by data_source."""
 from __future__ import annotations
 
 import pytest
 
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, STEPCHAIN, scorer_for
-from rollpacker.reward.scorers.math_answer import score_math
+from rollpacker.reward.scorers.math_answer import EXTRACT_MODES, score_math
 
 EQUIVALENT = [
     ("3/4", r"The answer is $\boxed{0.75}$."),  # fraction vs decimal
@@ -19,7 +20,6 @@ EQUIVALENT = [
     ("5", r"\boxed{5\,\mathrm{cm}}"),
     ("[1,2)", r"\boxed{[1, 2)}"),  # intervals
     (r"\{1,2\}", r"\boxed{\{2,1\}}"),  # sets
-    ("12", "Final answer: 12"),  # no box: the last expression
 ]
 NOT_EQUIVALENT = [
     ("3/4", r"\boxed{0.7}"),
@@ -45,6 +45,31 @@ def test_different_answers_score_zero(truth, response):
 
 def test_response_without_answer_is_no_answer():
     assert score_math("I am not sure.", "7", timeout=5).reason == "no_answer"
+
+
+# (response, truth, boxed reading, last-expression reading): hand-made responses where the two differ
+READINGS = [
+    ("no box here, but 12 apples then 7", "7", "no_answer", "ok"),
+    ("Final answer: 12", "12", "no_answer", "ok"),
+    # a corrected answer: the boxed reading takes the last box, math-verify's own extraction the first
+    (r"First \boxed{3}, then I fix it: \boxed{4}", "4", "ok", "wrong_answer"),
+    (r"The answer is \boxed{4}. Check: 2 + 2 = 5", "4", "ok", "ok"),  # math-verify prefers a box too
+    (r"\boxed{\frac{1}{2}} and 0.3 are close", "1/2", "ok", "ok"),
+]
+
+
+@pytest.mark.parametrize("response,truth,boxed,last_expression", READINGS)
+def test_boxed_reads_only_the_last_box_and_last_expression_reads_any_expression(response, truth, boxed,
+                                                                                  last_expression):
+    got = {mode: score_math(response, truth, timeout=5, extract=mode).reason for mode in EXTRACT_MODES}
+    print(f"{response!r} vs {truth!r}: {got}")
+    assert got == {"boxed": boxed, "last_expression": last_expression}
+
+
+def test_boxed_is_the_default_and_an_unknown_mode_is_named():
+    assert score_math("12 apples then 7", "7", timeout=5).reason == "no_answer"
+    with pytest.raises(ValueError, match="'last_box'"):
+        score_math(r"\boxed{7}", "7", timeout=5, extract="last_box")
 
 
 @pytest.mark.parametrize("source,scorer", [

@@ -17,32 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from rollpacker.reward.scorers.boxed import last_boxed
+
 # "gsm8k" and "math" both route to the math-verify scorer (rollpacker/reward/scorers/__init__.py).
 DATA_SOURCE = {"gsm8k": "gsm8k", "math": "math"}
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 SHOWN_SKIPS = 5  # row numbers printed for skipped rows; the count covers them all
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``, braces matched so ``\\boxed{\\frac{1}{2}}`` stays whole."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = start + len("\\boxed")
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                answer = text[i + 1:j].strip()
-                return answer or None
-    return None  # unbalanced: the answer's end is unknown, so do not guess it
 
 
 def gsm8k_answer(answer: str) -> str | None:

@@ -13,6 +13,9 @@ class RewardConfig:
     queue_size: int = 4096  # bounded submission queue: submit blocks when it is full
     start_method: Literal["forkserver", "spawn"] = "forkserver"  # never fork the trainer
     math_timeout: float = 5.0  # seconds per math sample
+    # which part of a math response is its answer: its last \boxed{} (TRL's and DeepScaleR's reading),
+    # or the last expression anywhere (veRL's math_verify scorer); rollpacker/reward/scorers/math_answer.py
+    math_extract: Literal["boxed", "last_expression"] = "boxed"
     worker_grace: float = 5.0  # seconds beyond a sample's own budget before its worker counts as hung
     code_timeout: Literal["adaptive", "fixed"] = "adaptive"
     code_t_min: float = 2.0

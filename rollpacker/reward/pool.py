@@ -234,7 +234,7 @@ class RewardPool:
                                uid=None if cfg.sandbox_uid is None else cfg.sandbox_uid + index,
                                scratch_root=scratch)
         ours, theirs = self._ctx.Pipe()
-        settings = WorkerSettings(cfg.math_timeout, limits, self._tokenizer)
+        settings = WorkerSettings(cfg.math_timeout, limits, self._tokenizer, cfg.math_extract)
         process = self._ctx.Process(target=worker_main, args=(theirs, settings), name=f"reward-worker-{index}",
                                     daemon=True)
         process.start()

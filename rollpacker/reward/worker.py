@@ -49,6 +49,7 @@ class WorkerSettings:
     math_timeout: float
     limits: SandboxLimits
     tokenizer: Any = None  # decodes responses sent as token ids (``RewardPool(..., tokenizer=)``)
+    math_extract: str = "boxed"  # ``reward.math_extract``: which part of a response is its answer
 
 
 def worker_main(conn: Connection, settings: WorkerSettings) -> None:
@@ -99,7 +100,7 @@ def run_job(job: Job, settings: WorkerSettings, on_start: Callable[[int], None] 
             job = dataclasses.replace(job, response=text)
         if job.scorer == MATH:
             from rollpacker.reward.scorers.math_answer import score_math
-            return Outcome(score_math(job.response, job.label, settings.math_timeout), {})
+            return Outcome(score_math(job.response, job.label, settings.math_timeout, settings.math_extract), {})
         if job.scorer == STEPCHAIN:
             from rollpacker.reward.scorers.stepchain import score_stepchain
             return Outcome(score_stepchain(job.response, job.label), {})
