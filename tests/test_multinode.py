@@ -226,7 +226,7 @@ def _engine_hosts(rank_pid: int) -> int:
 def test_sglang_engine_hosts_on_two_nodes_rank0_drives_the_other_nodes_engine(sglang_venv_python, tmp_path):
     """Each short round launches 6 prompts and defers 2 (``eta_p=1.5``), so step 3 is the long round;
     the planner, capped to TP 1, keeps both nodes' TP-1 engines in it, and node 1's leaves mid-round
-    for the stream trainer (review L6: the hand-off needs the engines' KV capacity and load): its
+    for the stream trainer (the hand-off needs the engines' KV capacity and load): its
     running requests go on on node 0's engine from their tokens so far (sglang continues them by
     prefill; the continuation is a fresh sample, see sglang_backend), and rank 1 trains the groups
     handed to it. Validation runs on the same engines after step 2 (inside step 3's round, after its

@@ -1,4 +1,4 @@
-"""The parallelism planner's published rules (DESIGN §2)."""
+"""The parallelism planner's published rules."""
 from __future__ import annotations
 
 import json

@@ -72,7 +72,7 @@ def test_phase_machine_follows_the_handoff_table():
     for phase in (Phase.SYNC, Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC):
         machine.to(phase)
     # The engine's ranks meet between the trainer's offload and the engine's resume, and between the
-    # engine's release and the trainer's onload (review L4: a TP>1 engine's leader acts on every
+    # engine's release and the trainer's onload (a TP>1 engine's leader acts on every
     # rank's device).
     assert calls == [
         "engine.resume('weights',)",
@@ -117,7 +117,7 @@ def test_control_plane_collectives_avoid_the_device_group(tmp_path):
 
 @pytest.mark.parametrize("tp", [16, 3])
 def test_a_rollout_engine_never_spans_nodes(tp):
-    """2 nodes x 8 ranks: TP 16 would put one engine on both nodes (review L14), TP 3 straddles them;
+    """2 nodes x 8 ranks: TP 16 would put one engine on both nodes, TP 3 straddles them;
     both are refused before any group is made."""
     from rollpacker.runtime.world import World
     world = World(rank=0, size=16, local_size=8, device=torch.device("cpu"), control=None)

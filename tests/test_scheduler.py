@@ -377,7 +377,7 @@ def test_two_phase_api_guards():
 
 
 def test_long_round_hands_engines_to_training_and_migrates_their_requests():
-    """DESIGN §4: at 20-50% done, up to half the engines leave; their requests continue elsewhere."""
+    """at 20-50% done, up to half the engines leave; their requests continue elsewhere."""
     h = Harness(p0=8, r0=4, num_prompts=30, engines=4)
     released: list[tuple[list[int], float]] = []
     calls_after: list[str] = []

@@ -94,7 +94,7 @@ class RecordingEngine:
         return self.loop.run_until_complete(asyncio.sleep(0))
 
     def release_memory_occupation(self, tags=None):
-        # sglang's scheduler asserts is_fully_idle() here and SIGQUITs the rank (review L1)
+        # sglang's scheduler asserts is_fully_idle() here and SIGQUITs the rank
         assert not self.held, f"release_memory_occupation while sglang holds {sorted(self.held)}"
         return self._sync("release_memory_occupation", tags=tags)
 

@@ -1,4 +1,5 @@
-"""Per-test-case code timeouts that follow the runtimes of correct solutions (DESIGN §3).
+"""Per-test-case code timeouts that follow the runtimes of correct solutions: a slow correct
+solution is not cut off, and a stuck one is not waited on for the worst case.
 
 T = min(max(T_min, λ·T_anchor), T_max), where T_anchor is the longest runtime of
 a solution that passed that test case so far.  A case no solution has passed

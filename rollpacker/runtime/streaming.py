@@ -1,4 +1,4 @@
-"""The stream trainer's side of a long round (DESIGN §4), as the program runs it.
+"""The stream trainer's side of a long round, as the program runs it.
 
 Rank 0 decides, through the scheduler's ``HandoffPolicy``, when engines leave
 the round; this module says *which* engines may leave and feeds their ranks.

@@ -97,7 +97,7 @@ class World:
             for engine_id, block in enumerate(blocks):
                 # every rank joins every new_group call
                 group = dist.new_group(list(block)) if tp > 1 else None
-                # Followers wait here for a whole round (review L7): over gloo, with an explicit timeout,
+                # Followers wait here for a whole round: over gloo, with an explicit timeout,
                 # not in an NCCL kernel spinning on a GPU the engine uses, under NCCL's 10-minute watchdog.
                 control = dist.new_group(list(block), backend="gloo", timeout=CONTROL_TIMEOUT) if tp > 1 else None
                 if self.rank in block:

@@ -1,4 +1,4 @@
-"""When a long round hands rollout engines to the stream trainer (DESIGN §4).
+"""When a long round hands rollout engines to the stream trainer.
 
 In a long round, once ``low``–``high`` of its requests are done (checked each
 time another ``check_every`` of them finishes), up to ``max_share`` of the

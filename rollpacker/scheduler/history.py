@@ -1,8 +1,8 @@
 """What earlier attempts showed about each prompt, by ``Prompt.uid``.
 
 RL runs go over the same prompts epoch after epoch, and a prompt's response
-lengths are strongly correlated from one epoch to the next (DESIGN §1,
-"history"). Tail batching without history rediscovers every epoch, at the
+lengths are strongly correlated from one epoch to the next (what the
+paper calls "history"). Tail batching without history rediscovers every epoch, at the
 price of a failed short-round attempt, which prompts are long. The record
 kept here lets the admission (``admission.HistoryAdmission``) send a prompt
 seen long straight to the long-prompt queue; it changes only the order in

@@ -1,4 +1,4 @@
-"""Parallelism planner (DESIGN §2): the rollout TP size for each round kind.
+"""Parallelism planner: the rollout TP size for each round kind.
 
 Short rounds carry more concurrent requests than long ones, hence more
 KV-cache pressure and preemptions, so each round kind has its own TP.

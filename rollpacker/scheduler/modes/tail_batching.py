@@ -1,4 +1,4 @@
-"""Tail batching (DESIGN §1): short over-launched races, and long rounds of queued prompts."""
+"""Tail batching: short over-launched races, and long rounds of queued prompts."""
 from __future__ import annotations
 
 from rollpacker.scheduler.modes.base import RoundPolicy, RoundSpec
