@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# RollPacker on Slurm: one torchrun per node, c10d rendezvous on the first node.
+# RollPacker on Slurm: one rollpacker-train (torchrun's agent) per node, c10d rendezvous on the first node.
 #
 #   sbatch --nodes=2 --gpus-per-node=8 launch/train.sh configs/qwen2.5-7b.yaml [key=value ...]
 #   sbatch --wait launch/train.sh configs/tiny-cpu.yaml run.steps=4         # CPU nodes
@@ -34,9 +34,11 @@ nproc=${NPROC_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 echo "rollpacker: ${#nodes[@]} node(s) x ${nproc} ranks, rendezvous ${head_node} (${head_addr}):${port}, config ${config}"
+# rollpacker-train (python -m rollpacker.launcher): each node checks the run before its ranks start
+# (the first node prints a refusal), then runs torchrun's agent with a c10d rendezvous
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-  python -m torch.distributed.run \
-    --nnodes="${SLURM_JOB_NUM_NODES}" --nproc_per_node="${nproc}" \
-    --rdzv_backend=c10d --rdzv_endpoint="${head_addr}:${port}" --rdzv_id="${SLURM_JOB_ID}" \
+  python -m rollpacker.launcher \
+    --nnodes="${SLURM_JOB_NUM_NODES}" --nproc-per-node="${nproc}" \
+    --rdzv-endpoint="${head_addr}:${port}" --rdzv-id="${SLURM_JOB_ID}" \
     --max-restarts="${MAX_RESTARTS:-3}" \
-    -m rollpacker.train --config "${config}" "$@"
+    --config "${config}" "$@"

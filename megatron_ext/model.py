@@ -67,6 +67,8 @@ def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, cp: int = 1
         init_method_std=spec.initializer_range,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        # no CUDA graphs are captured; megatron-core's default "full" is its own deprecated spelling of []
+        cuda_graph_scope=[],
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
         **cpu_compat.config_kwargs(),
     )

@@ -294,12 +294,16 @@ class CheckpointManager:
             shutil.rmtree(self.path(later), ignore_errors=True)
 
     # --- preemption --------------------------------------------------------
-    def install_sigterm_handler(self) -> None:
-        """SIGTERM (Slurm preemption, scancel) asks for a checkpoint at the end of the step."""
+    def install_stop_handlers(self) -> None:
+        """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C: torchrun passes its own signal on to the
+        ranks) ask for a checkpoint at the end of the step."""
         def _handler(signum, frame):
-            log.warning("SIGTERM received: will checkpoint and exit after this step")
+            if self.rank == 0:  # every rank gets it; one line says it
+                log.warning("%s received: finishing this step, then checkpoint and exit",
+                            signal.Signals(signum).name)
             self.stop_requested = True
-        signal.signal(signal.SIGTERM, _handler)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _handler)
 
     def any_stop_requested(self) -> bool:
         """True on every rank if any rank was asked to stop (collective)."""

@@ -1,6 +1,6 @@
 """Generate with a checkpoint in a rollout engine: JSONL prompts in, JSONL completions out.
 
-    python -m rollpacker.generate --model HF_DIR --input prompts.jsonl --output out.jsonl \\
+    rollpacker-generate --model HF_DIR --input prompts.jsonl --output out.jsonl \\
         [--backend reference|sglang] [--tp N] [--temperature T (0 = greedy)] [--max-new-tokens N] [--n K]
 
 For ``--tp N > 1`` run it under ``torchrun --nproc_per_node N``: the N ranks form one
@@ -21,16 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from rollpacker.cli_help import HelpFormatter
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, RequestError, SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rollpacker.generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="rollpacker-generate", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--input", required=True, help="JSONL with 'prompt' (text) or 'input_ids' per line")
     p.add_argument("--output", required=True, help="JSONL to write, one completion per line")
@@ -91,16 +89,24 @@ def request_id(line: int, sample: int) -> str:
 
 
 def generate(engine, prompts: list[list[int]], params: list[SamplingParams], n: int) -> dict[str, Completion]:
+    from tqdm import tqdm
+
     engine.submit([GenerationRequest(request_id(i, k), p, params[i * n + k])
                    for i, p in enumerate(prompts) for k in range(n)])
     done: dict[str, Completion] = {}
-    while engine.active_request_ids():
-        done.update((c.request_id, c) for c in engine.poll(None))
+    with tqdm(total=len(prompts) * n, unit="completion", desc="generate", disable=None) as bar:
+        while engine.active_request_ids():
+            finished = engine.poll(None)
+            done.update((c.request_id, c) for c in finished)
+            bar.update(len(finished))
     return done
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    import torch  # after parsing: --help answers without it
+    import torch.distributed as dist
+
     model_dir = Path(args.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:

@@ -123,6 +123,7 @@ class MetricsLogger:
                  config: dict[str, Any] | None = None, resume_step: int | None = None):
         self.run_dir, self.rank = Path(run_dir), rank
         self._wandb = None
+        self.wandb_where: str | None = None  # for the run's summary: the run's page, or how to upload it
         if rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,8 +132,13 @@ class MetricsLogger:
             rewind_records(self.path, resume_step)
         if wandb_mode != "disabled":
             import wandb
+            # silent: its banner and its end-of-run history would bury the step lines; the summary
+            # says where the run is instead
             self._wandb = wandb.init(project=project, name=name, dir=str(self.run_dir), mode=wandb_mode,
-                                     config=config, id=_wandb_id(self.run_dir), resume="allow")
+                                     config=config, id=_wandb_id(self.run_dir), resume="allow",
+                                     settings=wandb.Settings(silent=True))
+            self.wandb_where = (f"W&B run {self._wandb.url}" if wandb_mode == "online" else
+                                f"W&B ({wandb_mode}): wandb sync {Path(self._wandb.dir).parent}")
             # every chart's x axis is the training step (an eval line's: the step whose weights it evaluated)
             self._wandb.define_metric("step", hidden=True)
             for section in SECTIONS:

@@ -1,7 +1,7 @@
 """Memory plan: what one GPU holds in each phase of a step, checked before start.
 
-    python -m rollpacker.plan --config configs/qwen2.5-7b.yaml [section.key=value ...]
-                              [--nodes 2 --gpus-per-node 8 --device-gb 80 --shape qwen2.5-7b]
+    rollpacker-plan --config configs/qwen2.5-7b.yaml [section.key=value ...]
+                    [--nodes 2 --gpus-per-node 8 --device-gb 80 --shape qwen2.5-7b]
 
 The trainer and the rollout engines share every GPU and take turns
 (:mod:`rollpacker.phases`): in **rollout** the trainer's params and optimizer
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from rollpacker.cli_help import HelpFormatter
 from rollpacker.config import Config, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.hf_spec import ModelSpec, parse_spec
@@ -503,7 +504,8 @@ def check_memory(cfg: Config, world_size: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollpacker.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollpacker-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/qwen2.5-7b.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.recompute=true")
     p.add_argument("--nodes", type=int,

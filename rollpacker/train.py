@@ -12,10 +12,21 @@ A restart with the same command resumes from the latest checkpoint.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C (torchrun passes it on) before the run can checkpoint: stop quietly; from then on it asks
+    # for a checkpoint at the end of the step (CheckpointManager.install_stop_handlers)
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(128 + signum))
+    from rollpacker.runtime.preflight import parse_args
+
+    parse_args(argv)  # --help and usage errors answer before the imports below
+    if os.environ.get("RANK", "0") == "0":  # the first line, before the seconds of importing torch and Megatron
+        print(f"rollpacker: {os.environ.get('WORLD_SIZE', '1')} rank(s) started: checking the config, model and "
+              "data, then building engines, trainer and reward pool", file=sys.stderr, flush=True)
     # Imported here, not at the top: a forkserver or spawn child (every reward worker) runs the top
     # of the parent's main module, and torch, Megatron and transformers would cost each worker
     # seconds of CPU and hundreds of MB before it scores anything.
@@ -26,14 +37,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(argv: list[str] | None) -> int:
+    from megatron_ext.optional_kernels import quiet_missing_kernel_warnings
     from rollpacker.runtime.preflight import preflight
+
+    missing_kernels = quiet_missing_kernel_warnings()  # before megatron-core is imported
+    pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
+    if pre.finished_step is not None:  # every rank sees the same checkpoint and stops before any group forms
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rollpacker: {pre.run_dir} is complete: its checkpoint of step {pre.finished_step} covers "
+                  f"run.steps={pre.cfg.run.steps}; nothing to do (raise run.steps to train on)", file=sys.stderr)
+        return 0
+
     from rollpacker.runtime.run import Run
     from rollpacker.runtime.world import World
 
-    pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
     world = World.init(pre.cfg.run.threads_per_rank)
     logging.basicConfig(level=logging.INFO if world.rank == 0 else logging.WARNING,
                         format="%(asctime)s rollpacker %(levelname)s %(message)s", stream=sys.stderr)
+    if missing_kernels and world.rank == 0:
+        logging.getLogger("rollpacker").info(missing_kernels)
     run = Run(pre, world)  # groups, engines, trainer, scheduler, reward pool
     start = run.resume()
     for step in range(start + 1, pre.cfg.run.steps + 1):
@@ -47,6 +69,7 @@ def _train(argv: list[str] | None) -> int:
     else:
         run.evaluate(pre.cfg.run.steps)  # the final weights, if due (no round follows: it syncs them itself)
     run.close()
+    run.summary()  # rank 0: steps, time, evals, where the files are
     world.shutdown()
     return 0
 

@@ -148,7 +148,7 @@ def test_preflight_refuses_unusable_eval_files_naming_file_and_reason(tmp_path, 
     for files, reason in cases:
         with pytest.raises(SystemExit) as exit_:
             preflight(["--config", str(CONFIG), f"data.eval_files=[{', '.join(map(str, files))}]",
-                       f"data.train_files=[{twin}]"])  # a one-row training file: quick to tokenize
+                       f"data.train_files=[{twin}]", f"run.output_dir={tmp_path}"])  # a one-row training file: quick to tokenize
         err = capsys.readouterr().err
         with capsys.disabled():
             print(err.strip())

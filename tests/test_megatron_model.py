@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_ext import weights
-from megatron_ext.convert import verify
+from megatron_ext.conversion import verify
 from megatron_ext.parallel import setup_layout, teardown_layout
 from megatron_ext.model import build_model, padded_vocab_size, transformer_config
 from rollpacker.hf_spec import parse_spec

@@ -100,7 +100,7 @@ def test_fixed_sizes_beyond_a_node_are_refused_with_a_fix_that_works(overrides, 
 def test_preflight_logs_the_cap_once_and_refuses_on_every_rank(tmp_path, monkeypatch, capsys):
     one_row = tmp_path / "train.jsonl"
     one_row.write_text((REPO_ROOT / "assets" / "data" / "train.jsonl").read_text().splitlines()[0] + "\n")
-    argv = ["--config", str(TINY), f"data.train_files=[{one_row}]", "data.eval_files=[]"]
+    argv = ["--config", str(TINY), f"data.train_files=[{one_row}]", "data.eval_files=[]", f"run.output_dir={tmp_path}"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     for rank, lines in (("0", 1), ("1", 0)):

@@ -185,7 +185,8 @@ def test_preflight_refuses_before_any_work(tmp_path, monkeypatch, capsys, no_cud
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as exit_:
         preflight(["--config", str(CONFIGS / "qwen2.5-7b.yaml"), f"model.path={model}",
-                   f"data.train_files=[{tmp_path / 'train.jsonl'}]", "data.eval_files=[]", "trainer.recompute=false"])
+                   f"data.train_files=[{tmp_path / 'train.jsonl'}]", "data.eval_files=[]", "trainer.recompute=false",
+                   f"run.output_dir={tmp_path}"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "cannot start" in err and "memory plan does not fit" in err and "trainer.recompute=true" in err

@@ -40,14 +40,14 @@ def test_refuses_to_start_daemons_where_a_slurm_cluster_may_be(monkeypatch):
 
 
 def _worker(run_dir: Path, rank: int) -> psutil.Process | None:
-    """Training rank ``rank`` of the job writing ``run_dir``: a process that torchrun started (its
-    parent runs ``torch.distributed.run``) with ``RANK=rank``; its own children (reward workers) are not."""
+    """Training rank ``rank`` of the job writing ``run_dir``: a process that torchrun's agent started (its
+    parent runs ``rollpacker.launcher``) with ``RANK=rank``; its own children (reward workers) are not."""
     for proc in psutil.process_iter(["cmdline", "ppid"]):
         with contextlib.suppress(psutil.Error):
             cmdline = proc.info["cmdline"] or []
-            if f"run.output_dir={run_dir.parent}" in cmdline and "torch.distributed.run" not in cmdline \
+            if f"run.output_dir={run_dir.parent}" in cmdline and "rollpacker.launcher" not in cmdline \
                     and proc.environ().get("RANK") == str(rank) \
-                    and "torch.distributed.run" in psutil.Process(proc.info["ppid"]).cmdline():
+                    and "rollpacker.launcher" in psutil.Process(proc.info["ppid"]).cmdline():
                 return proc
     return None
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -222,6 +223,10 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self._prompts)
+
+    def data_sources(self) -> Counter[str]:
+        """How many usable prompts name each ``data_source``."""
+        return Counter(p.data_source for p in self._prompts)
 
     @property
     def epoch(self) -> int:

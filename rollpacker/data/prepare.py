@@ -1,6 +1,6 @@
 """Convert a public math dataset to the verl rows that ``PromptDataset`` reads.
 
-    python -m rollpacker.data.prepare --source {gsm8k,math} --input RAW.(jsonl|parquet) \\
+    rollpacker-prepare --source {gsm8k,math} --input RAW.(jsonl|parquet) \\
         --output OUT.(jsonl|parquet) [--split-eval N]
 
 GSM8K rows carry ``question`` and ``answer`` (final answer after ``#### ``);
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from rollpacker.cli_help import HelpFormatter
 from rollpacker.reward.scorers.boxed import last_boxed
 
 # "gsm8k" and "math" both route to the math-verify scorer (rollpacker/reward/scorers/__init__.py).
@@ -109,7 +110,7 @@ def eval_path(output: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollpacker.data.prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="rollpacker-prepare", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--source", choices=sorted(EXTRACT), required=True)
     parser.add_argument("--input", type=Path, required=True, help="raw dataset file (.jsonl or .parquet)")
     parser.add_argument("--output", type=Path, required=True, help="verl rows to write (.jsonl or .parquet)")

@@ -1,4 +1,4 @@
-"""``python -m rollpacker.reward score INPUT.jsonl [-o OUT.jsonl]``: score a file offline.
+"""``rollpacker-reward score INPUT.jsonl [-o OUT.jsonl]`` (or ``python -m rollpacker.reward``): score a file offline.
 
 Each input line is ``{"data_source", "response", "ground_truth" | "tests"}``
 (optionally ``"key"``, the prompt id for adaptive code timeouts).  Each output
@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
+from rollpacker.cli_help import HelpFormatter
 from rollpacker.configlib import ConfigError, apply_overrides, build, load_yaml
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.pool import RewardPool
@@ -24,9 +25,11 @@ from rollpacker.reward.score import ERROR, Score
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollpacker.reward")
+    parser = argparse.ArgumentParser(prog="rollpacker-reward", description="Score responses offline with the "
+                                     "reward pool that training uses.")
     commands = parser.add_subparsers(dest="command", required=True)
-    score = commands.add_parser("score", help="score a JSONL file of responses")
+    score = commands.add_parser("score", help="score a JSONL file of responses", description=__doc__,
+                                formatter_class=HelpFormatter)
     score.add_argument("input", type=Path)
     score.add_argument("-o", "--output", type=Path, help="output JSONL (default: stdout)")
     score.add_argument("-c", "--config", type=Path, help="YAML run config whose 'reward' section to use")
@@ -93,7 +96,9 @@ def _parse(line: str) -> tuple[str, str, Any, str | None]:
 def _write(results: list[Future | Score], out: IO[str]) -> None:
     reasons: collections.Counter[str] = collections.Counter()
     total = 0.0
-    for result in results:
+    from tqdm import tqdm
+
+    for result in tqdm(results, unit="line", desc="score", disable=None, leave=False):
         score = result if isinstance(result, Score) else result.result()
         reasons[score.reason] += 1
         total += score.reward

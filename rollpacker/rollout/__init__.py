@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Callable
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import RolloutEngine
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.ProcessGroup | None = None,

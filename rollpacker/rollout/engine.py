@@ -16,11 +16,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from rollpacker.sample import packed
+
+if TYPE_CHECKING:
+    import torch
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

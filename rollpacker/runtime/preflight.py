@@ -7,10 +7,13 @@ with one message (printed by rank 0) instead of hanging in a collective.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,49 +21,121 @@ from rollpacker.config import Config, check_layout, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.plan import check_memory
 
+REFUSED = 2  # the exit code of a run refused with one message (the launcher prints nothing after it)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process sits in the job, from torchrun's environment (or the launcher's plan)."""
+    world_size: int
+    ranks_per_node: int
+    rank: int
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        return cls(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), int(os.environ.get("RANK", 0)))
+
 
 @dataclass
 class Preflight:
     cfg: Config
     tokenizer: object
     run_dir: Path
+    finished_step: int | None  # the run already holds a checkpoint of its last step: nothing to do
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollpacker.train", description="RollPacker GRPO training (run under torchrun)")
+    p = argparse.ArgumentParser(prog="python -m rollpacker.train",
+                                description="RollPacker GRPO training, one rank of the SPMD job (run under torchrun; "
+                                            "rollpacker-train launches it)")
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.lr=1e-6")
     return p.parse_args(argv)
 
 
-def preflight(argv: list[str] | None) -> Preflight:
-    """Load and check the config, the model directory and the data; exit(2) with one message if unusable."""
+def preflight(argv: list[str] | None, ranks: Ranks | None = None) -> Preflight:
+    """Load and check the config, the model directory and the data; exit(REFUSED) with one message if unusable."""
     args = parse_args(argv)
+    ranks = ranks or Ranks.from_env()
+    run_dir = None
     try:
         cfg = load_config(args.config, args.overrides).resolve(Path.cwd())
-        check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        capped = fit_to_nodes(cfg, int(os.environ.get("WORLD_SIZE", 1)),
-                              int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
-        if capped and int(os.environ.get("RANK", 0)) == 0:
+        run_dir = (Path(cfg.run.output_dir) / cfg.run.name).resolve()
+        finished = finished_step(cfg, run_dir)
+        if finished is not None:
+            return Preflight(cfg=cfg, tokenizer=None, run_dir=run_dir, finished_step=finished)
+        check_layout(cfg, ranks.world_size)
+        capped = fit_to_nodes(cfg, ranks.world_size, ranks.ranks_per_node)
+        if capped and ranks.rank == 0:
             print(f"rollpacker: {capped}", file=sys.stderr)
-        check_memory(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # GPU runs: every phase fits the device
+        check_memory(cfg, ranks.world_size)  # GPU runs: every phase fits the device
+        check_backends(cfg)
         check_weights(cfg.model.path, f"{cfg.source}: model.path")
         tokenizer = load_tokenizer(cfg.model.path, cfg.source)
-        from rollpacker.data.dataset import PromptDataset
-        from rollpacker.eval import check_eval_files
-        check_eval_files(cfg)
-        for split in ("train", "eval") if cfg.data.eval_files else ("train",):
-            try:  # raises on a missing or unreadable file, or one with no usable rows
-                PromptDataset.from_config(cfg.data, tokenizer, split=split)
-            except (ValueError, OSError) as exc:
-                raise ConfigError(f"{cfg.source}: data.{split}_files: {exc}") from None
+        check_data(cfg, tokenizer)
     except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"rollpacker: cannot start: {exc}", file=sys.stderr)
-        else:  # torchrun stops every rank once one exits: give rank 0 (same check, same error) time to report
-            time.sleep(10)
-        sys.exit(2)
-    return Preflight(cfg=cfg, tokenizer=tokenizer, run_dir=(Path(cfg.run.output_dir) / cfg.run.name).resolve())
+        refuse(exc, ranks.rank, run_dir)
+    return Preflight(cfg=cfg, tokenizer=tokenizer, run_dir=run_dir, finished_step=None)
+
+
+def refuse(exc: BaseException, rank: int, run_dir: Path | None) -> None:
+    """One message on the console (rank 0's), the traceback in RUN_DIR/logs/, exit(REFUSED)."""
+    if rank == 0:
+        print(f"rollpacker: cannot start: {exc}", file=sys.stderr, flush=True)
+        if run_dir is not None:
+            with contextlib.suppress(OSError):
+                (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+                (run_dir / "logs" / "refused.log").write_text(traceback.format_exc())
+    else:  # torchrun stops every rank once one exits: give rank 0 (same check, same error) time to report
+        time.sleep(10)
+    sys.exit(REFUSED)
+
+
+def finished_step(cfg: Config, run_dir: Path) -> int | None:
+    """The step of a checkpoint at or past ``run.steps`` (the run is done, a rerun has nothing to do);
+    None when the run has steps left, or ``run.resume_from`` pins an earlier one."""
+    from rollpacker.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(run_dir).latest()
+    if cfg.run.resume_from is not None or latest is None or latest < cfg.run.steps:
+        return None
+    return latest
+
+
+def check_backends(cfg: Config) -> None:
+    """The rollout backend is installed and the trainer backend of this machine can run the dtype."""
+    src = cfg.source
+    if cfg.rollout.backend == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(f"{src}: rollout.backend=sglang, but SGLang is not installed in this Python "
+                          f"({sys.executable}); install it with pip install -r requirements-gpu.txt (GPU nodes), "
+                          "or set rollout.backend=reference (the PyTorch engine, CPU or GPU)")
+    import torch
+
+    if not torch.cuda.is_available() and cfg.trainer.params_dtype != "fp32":
+        raise ConfigError(f"{src}: trainer.params_dtype={cfg.trainer.params_dtype}: without a GPU the trainer runs "
+                          "Megatron's CPU backend, which trains in fp32 only (it keeps no fp32 master weights); "
+                          "set trainer.params_dtype=fp32")
+
+
+def check_data(cfg: Config, tokenizer) -> None:
+    """Every split reads, has usable rows, and names only data sources that a scorer handles."""
+    from rollpacker.data.dataset import PromptDataset
+    from rollpacker.eval import check_eval_files
+    from rollpacker.reward.scorers import scorer_for
+
+    check_eval_files(cfg)
+    for split in ("train", "eval") if cfg.data.eval_files else ("train",):
+        try:  # raises on a missing or unreadable file, or one with no usable rows
+            dataset = PromptDataset.from_config(cfg.data, tokenizer, split=split)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{cfg.source}: data.{split}_files: {exc}") from None
+        for source, count in dataset.data_sources().items():
+            try:
+                scorer_for(source)
+            except ValueError as exc:
+                raise ConfigError(f"{cfg.source}: data.{split}_files: {count} of {len(dataset)} prompts: {exc}; "
+                                  "fix the rows' data_source or add a scorer (docs/formats.md)") from None
 
 
 def fit_to_nodes(cfg: Config, world_size: int, ranks_per_node: int) -> str | None:

@@ -25,6 +25,7 @@ from rollpacker.phases import Phase, PhaseMachine
 from rollpacker.reward import RewardPool
 from rollpacker.reward.service import NodeReward
 from rollpacker.rollout_report import TABLE_COLUMNS, completion_rows, plot_gantt
+from rollpacker.runtime.console import Console, write_config
 from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.eval_phase import EvalPhase
 from rollpacker.runtime.ledger import PromptLedger
@@ -56,7 +57,7 @@ class Run:
         self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline,
                                    barrier=self.engines.device_barrier)
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints, group=world.control)
-        self.ckpt.install_sigterm_handler()
+        self.ckpt.install_stop_handlers()
         self.coordinator = world.rank == 0
         # one reward pool per node, on its first rank: the node's engines score their responses there
         self.pool = RewardPool(cfg.reward, tokenizer=pre.tokenizer) if world.rank == world.node_lead else None
@@ -81,6 +82,7 @@ class Run:
         self.eval_phase = EvalPhase(cfg, self.rollout_phase, tokenizer=pre.tokenizer, run_dir=self.run_dir,
                                     stop_token_ids=(pre.tokenizer.eos_token_id,))
         self.seconds: dict[str, float] = {}
+        self.stopped = False  # a stop signal (scancel: SIGTERM, Ctrl-C: SIGINT) ended the run early
 
     # --- resume ----------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -105,6 +107,8 @@ class Run:
                     self.metrics = MetricsLogger(self.run_dir, rank=0, wandb_mode=self.cfg.run.wandb,
                                                  project=self.cfg.run.wandb_project, name=self.cfg.run.name,
                                                  config=to_dict(self.cfg), resume_step=step or 0)
+                    write_config(self.cfg, self.run_dir)
+                    self.console = Console(self.cfg, self.run_dir, first_step=(step or 0) + 1)
             self.ckpt.agreed(open_records)
         # an eval logged after the checkpoint's step is kept with it and not repeated; one cut short is
         self.eval_phase.share_done(self.metrics.steps_with("eval/") if self.coordinator else None,
@@ -144,9 +148,7 @@ class Run:
             self.phases.to(Phase.TRAIN)
         if self.coordinator:
             self.metrics.log(step, metrics)
-            first = self.cfg.run.eval.samplings[0].name
-            log.info("eval of step %d: %s pass@1 %.3f in %.1fs", step, first, metrics[f"eval/{first}/pass@1"],
-                     metrics["eval/seconds"])
+            log.info(self.console.eval_line(step, metrics))
 
     def rollout(self, plan: RoundPlan | None) -> RoundResult | None:
         """The round; a rank whose engine is handed to the stream trainer trains from then on."""
@@ -191,10 +193,7 @@ class Run:
                 self.ledger.record(step, [g.prompt for g in result.kept], result.filtered)
                 metrics = self._step_metrics(result, train_metrics)
                 self.metrics.log(step, metrics, **self._step_media(step, spans, result))
-                s = result.stats
-                log.info("step %d/%d %s tp=%d rollout %.1fs reward %.3f loss %.4f queue %d", step,
-                         self.cfg.run.steps, result.kind.value, result.tp, s.rollout_seconds, self._last_reward,
-                         train_metrics.get("loss", 0.0), s.queue_length)
+                log.info(self.console.step_line(step, metrics))
 
         with self.stops_on_file_faults():  # a full disk: the checkpoint or the step's records
             if stop or (every and step % every == 0) or step == self.cfg.run.steps:
@@ -204,6 +203,7 @@ class Run:
             else:
                 self.ckpt.agreed(record)
         self.seconds = {}
+        self.stopped = stop
         return stop
 
     def save(self, step: int, before_commit: Callable[[], None] | None = None) -> None:
@@ -236,6 +236,14 @@ class Run:
             self.close()
             self.world.shutdown()
             raise SystemExit(2) from None
+
+    def summary(self) -> None:
+        """Rank 0 prints the run's summary: steps, time, evals, where its files are."""
+        if self.coordinator:
+            latest = self.ckpt.latest()
+            print("rollpacker: " + self.console.summary(
+                stopped=self.stopped, checkpoint=None if latest is None else self.ckpt.path(latest),
+                wandb=self.metrics.wandb_where), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.rollout_phase.close()
@@ -276,7 +284,6 @@ class Run:
         samples = result.samples
         lengths = np.array([x.num_response_tokens for x in samples])
         rewards = np.array([x.reward for x in samples], dtype=float)
-        self._last_reward = float(rewards.mean())
         return {
             "round": result.kind.value, "rollout_tp": result.tp, "prompts_launched": s.launched_prompts,
             "responses_launched": s.launched_responses, "prompts_kept": s.kept_prompts,
@@ -290,7 +297,7 @@ class Run:
             "filtered_prompts": s.filtered_prompts, "routed_prompts_total": self.scheduler.counters["routed"],
             "response_len_p50": float(np.percentile(lengths, 50)), "response_len_p90": float(np.percentile(lengths, 90)),
             "response_len_p99": float(np.percentile(lengths, 99)), "response_len_max": int(lengths.max()),
-            "reward_mean": self._last_reward,
+            "reward_mean": float(rewards.mean()),
             "accuracy": float(np.mean([bool(x.correct) for x in samples])),
             **self.seconds, **self.phases.pop_seconds(), **{f"train/{k}": v for k, v in train.items()},
         }

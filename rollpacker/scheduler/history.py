@@ -19,7 +19,6 @@ import enum
 from typing import Any
 
 import numpy as np
-import torch
 
 from rollpacker.sample import Prompt
 from rollpacker.scheduler.config import HistoryConfig
@@ -130,7 +129,10 @@ class PromptHistory:
             self._record(prompt, Outcome.DEFERRED, round(self.cutoff), 0.0)
 
     def state_dict(self) -> dict[str, Any]:
-        # tensors, so that a checkpoint of the scheduler loads with torch.load(weights_only=True)
+        # tensors, so that a checkpoint of the scheduler loads with torch.load(weights_only=True);
+        # (imported here: the scheduler package loads with every config, and so with every CLI's --help)
+        import torch
+
         return {"closings": list(self._closings), "probes": sorted(self._probes),
                 "probe_counts": list(self._probe_counts),
                 **{name: torch.from_numpy(col.copy()) for name, col in self._cols.items()}}

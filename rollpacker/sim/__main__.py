@@ -1,9 +1,9 @@
-"""``python -m rollpacker.sim``: baseline vs tail batching on a modeled H800 cluster.
+"""``rollpacker-sim`` (or ``python -m rollpacker.sim``): baseline vs tail batching on a modeled H800 cluster.
 
-    python -m rollpacker.sim --trace lengths.jsonl            # Qwen2.5-14B, 32 GPUs, TP 2, 16k
-    python -m rollpacker.sim --model 32b --gpus 64 --limit 32768 --json
-    python -m rollpacker.sim --planner                        # per-round-kind TP, online rule
-    python -m rollpacker.sim --epochs 4 --rho 0.9 --history on  # every prompt once per epoch
+    rollpacker-sim --trace lengths.jsonl            # Qwen2.5-14B, 32 GPUs, TP 2, 16k
+    rollpacker-sim --model 32b --gpus 64 --limit 32768 --json
+    rollpacker-sim --planner                        # per-round-kind TP, online rule
+    rollpacker-sim --epochs 4 --rho 0.9 --history on  # every prompt once per epoch
 
 Without ``--trace`` the lengths come from the parametric long-tail model
 (``rollpacker.sim.traces``). ``--json`` prints the same report as JSON.
@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 
+from rollpacker.cli_help import HelpFormatter
 from rollpacker.scheduler.config import HistoryConfig
 from rollpacker.sim.epochs import compare, run_epochs
 from rollpacker.sim.perf import Efficiency
@@ -30,8 +31,7 @@ from rollpacker.sim.traces import TraceError, epoch_spearman, load_trace, longta
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d, e = SimSettings(), Efficiency()
-    p = argparse.ArgumentParser(prog="python -m rollpacker.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="rollpacker-sim", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--trace", help="JSONL length trace; default: the parametric long-tail model")
     p.add_argument("--model", default=d.model, choices=["7b", "14b", "32b"])
     p.add_argument("--gpus", type=int, default=d.gpus)
@@ -106,6 +106,13 @@ def samples_per_prompt(args: argparse.Namespace) -> int:
     return max(args.r0, -(-int(args.eta_r * args.r0 * 1000) // 1000))
 
 
+def progress(total: int, unit: str):
+    """A bar on stderr while both modes run (on a terminal only: a log file gets the report alone)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, desc="baseline + tail batching", disable=None, leave=False)
+
+
 def simulate(args: argparse.Namespace) -> dict:
     check_args(args)
     if args.epochs is not None:
@@ -120,8 +127,9 @@ def simulate(args: argparse.Namespace) -> dict:
                                prompt_length=args.prompt_length, seed=args.seed)
         length_model = (f"log-normal: median {median:.0f} x exp(N(0,{args.sigma_prompt})) per prompt "
                         f"x exp(N(0,{args.sigma_response})) per response, clipped to {args.limit}")
-    baseline = run_mode("baseline", settings, trace)
-    tail = run_mode("tail_batching", settings, trace)
+    with progress(2 * settings.rounds, "rounds") as bar:
+        baseline = run_mode("baseline", settings, trace, on_round=lambda _: bar.update())
+        tail = run_mode("tail_batching", settings, trace, on_round=lambda _: bar.update())
     return {"settings": {k: v for k, v in vars(args).items() if k not in ("json", *EPOCH_FLAGS)},
             "length_model": length_model, "baseline": [row_dict(r) for r in baseline],
             "tail_batching": [row_dict(r) for r in tail], "summary": summarize(baseline, tail)}
@@ -142,8 +150,12 @@ def simulate_epochs(args: argparse.Namespace) -> dict:
                         f"z AR(1) over epochs with rho {rho}, x exp(N(0,{args.sigma_response})) per response, "
                         f"clipped to {args.limit}")
     history = HistoryConfig(enabled=args.history == "on")
-    baseline = run_epochs("baseline", settings, trace, args.epochs, shuffle_seed=args.seed)
-    tail = run_epochs("tail_batching", settings, trace, args.epochs, history=history, shuffle_seed=args.seed)
+    with progress(2 * len(trace) * args.epochs, "prompts") as bar:
+        def trained(result) -> None:
+            bar.update(sum(group[0].prompt.epoch < args.epochs for group in result.groups))
+        baseline = run_epochs("baseline", settings, trace, args.epochs, shuffle_seed=args.seed, on_round=trained)
+        tail = run_epochs("tail_batching", settings, trace, args.epochs, history=history, shuffle_seed=args.seed,
+                          on_round=trained)
     try:
         correlation = epoch_spearman(trace)
     except ValueError:  # a trace without per-epoch rows, or a single epoch

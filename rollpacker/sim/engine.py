@@ -19,14 +19,15 @@ from __future__ import annotations
 import collections
 import heapq
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
 from rollpacker.scheduler.clock import VirtualClock
 from rollpacker.sim.perf import PerfModel
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from rollpacker.scheduler import RoundStats
+from rollpacker.scheduler import RoundResult, RoundStats
 from rollpacker.scheduler.config import HistoryConfig
 from rollpacker.sim.run import SimCluster, SimSettings
 from rollpacker.sim.traces import PromptLengths
@@ -76,7 +76,8 @@ class EpochRun:
 
 
 def run_epochs(mode: str, settings: SimSettings, trace: list[PromptLengths], epochs: int, *,
-               history: HistoryConfig | None = None, shuffle_seed: int | None = None) -> EpochRun:
+               history: HistoryConfig | None = None, shuffle_seed: int | None = None,
+               on_round: Callable[[RoundResult], None] | None = None) -> EpochRun:
     """Rounds of ``mode`` until every prompt of epochs 0..``epochs``-1 is kept once.
 
     ``shuffle_seed`` None serves every epoch in trace order. A prompt kept
@@ -99,6 +100,8 @@ def run_epochs(mode: str, settings: SimSettings, trace: list[PromptLengths], epo
             raise RuntimeError(f"{mode}: {len(pending)} prompts of epochs < {epochs} still untrained after "
                                f"{max_rounds} rounds")
         result = cluster.run_round()
+        if on_round is not None:
+            on_round(result)
         kept = Counter(group[0].prompt.epoch for group in result.groups)
         for group in result.groups:
             key = (group[0].prompt.uid, group[0].prompt.epoch)

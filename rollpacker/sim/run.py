@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
@@ -87,12 +87,16 @@ class SimCluster:
         return self.scheduler.run_round(plan, engines, self.reward, clock=self.clock)
 
 
-def run_mode(mode: str, settings: SimSettings, trace: list[PromptLengths]) -> list[RoundRow]:
-    """``settings.rounds`` rounds of ``mode`` over the trace (cycled), on a fresh virtual clock."""
+def run_mode(mode: str, settings: SimSettings, trace: list[PromptLengths], *,
+             on_round: Callable[[RoundResult], None] | None = None) -> list[RoundRow]:
+    """``settings.rounds`` rounds of ``mode`` over the trace (cycled), on a fresh virtual clock;
+    ``on_round`` sees each round's result (a progress bar)."""
     cluster = SimCluster(mode, settings, trace)
     rows = []
     for _ in range(settings.rounds):
         result = cluster.run_round()
+        if on_round is not None:
+            on_round(result)
         lengths = sorted(s.num_response_tokens for s in result.samples)
         rows.append(RoundRow(result.index, result.kind.value, result.tp, result.stats,
                              lengths[-1] / max(1.0, statistics.median(lengths))))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ext.convert import hf_to_mcore, mcore_to_hf, verify
+from megatron_ext.conversion import hf_to_mcore, mcore_to_hf, verify
 from megatron_ext.convert import main as convert_cli
 from megatron_ext.logprobs import token_entropy, token_logprobs
 from megatron_ext.parallel import ParallelLayout, setup_layout, teardown_layout
