@@ -82,6 +82,7 @@ class CheckpointManager:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.stop_requested = False
+        self._stop_signal = 0  # the signal that asked for the stop, for rank 0's one line
 
     # --- discovery -------------------------------------------------------
     def steps(self) -> list[int]:
@@ -298,20 +299,25 @@ class CheckpointManager:
         """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C: torchrun passes its own signal on to the
         ranks) ask for a checkpoint at the end of the step."""
         def _handler(signum, frame):
-            if self.rank == 0:  # every rank gets it; one line says it
-                log.warning("%s received: finishing this step, then checkpoint and exit",
-                            signal.Signals(signum).name)
-            self.stop_requested = True
+            if self.rank == 0:
+                log.warning("%s received: finishing this step, then checkpoint and exit", signal.Signals(signum).name)
+            self.stop_requested, self._stop_signal = True, signum
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _handler)
 
     def any_stop_requested(self) -> bool:
-        """True on every rank if any rank was asked to stop (collective)."""
+        """True on every rank if any rank was asked to stop (collective). Rank 0 says so once: when it got the
+        signal itself, or here when only another rank did (a scancel of one node's ranks)."""
         if not dist.is_initialized():
             return self.stop_requested
-        flag = torch.tensor([int(self.stop_requested)])
+        flag = torch.tensor([self._stop_signal or int(self.stop_requested)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        received = int(flag.item())
+        if received and self.rank == 0 and not self.stop_requested:
+            what = signal.Signals(received).name if received in (signal.SIGTERM, signal.SIGINT) else "a stop request"
+            log.warning("%s received by another rank: checkpointing this step, then exit", what)
+            self.stop_requested = True
+        return bool(received)
 
     def _barrier(self) -> None:
         if dist.is_initialized():

@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
         group = dist.new_group(list(range(world)))
     cfg = RolloutConfig(backend=args.backend, tp=args.tp, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
                         sglang_base_port=args.sglang_base_port)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"rollpacker-generate: starting the {args.backend} engine (tp={args.tp}) on {model_dir}", file=sys.stderr,
+              flush=True)
     engine = make_engine(cfg, model_dir, group=group, device=device)
     if not engine.is_leader:
         engine.serve_follower()  # until the leader's stop_followers()

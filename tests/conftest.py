@@ -39,7 +39,8 @@ ALLOWED_CI_SKIPS = {
 # its background build (1.5 minutes from nothing on an idle machine, about 5 beside the first files) is done
 LONGEST_FIRST = ("test_sglang_real.py", "test_train_program.py", "test_multinode.py", "test_gpu_acceptance.py",
                  "test_resume_shipped.py", "test_stale_sync.py", "test_eval.py", "test_slurm_launch.py",
-                 "test_sglang_gpu_bundle.py", "test_checkpoint_faults.py", "test_policy_quality.py")
+                 "test_sglang_gpu_bundle.py", "test_console.py", "test_own_model.py", "test_package.py",
+                 "test_checkpoint_faults.py", "test_policy_quality.py")
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"

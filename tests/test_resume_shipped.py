@@ -202,7 +202,8 @@ def test_killed_at_every_point_resumes_without_losing_or_repeating_a_prompt(tmp_
         os.kill(pid, signal.SIGTERM)  # pending while stopped, handled once continued
         os.kill(pid, signal.SIGCONT)
         assert run.wait() == 0, run.output()[-3000:]
-        assert "SIGTERM received: finishing this step" in run.output() and "resumed from step 4 " in run.output()
+        assert "SIGTERM received by another rank: checkpointing this step, then exit" in run.output()
+        assert "resumed from step 4 " in run.output()
         assert _latest(run_dir) == 7 and max(r["step"] for r in _rows(run_dir)) == 7
 
         # the rest of the run
