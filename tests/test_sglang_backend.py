@@ -269,7 +269,8 @@ def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():
 
 def test_engine_host_env_drops_torchruns_agent_store_flag_and_sets_sglangs(monkeypatch):
     """The engine host (and so sglang's schedulers) must not inherit TORCHELASTIC_USE_AGENT_STORE
-    (review C2); the rank keeps it. The host also gets SGLANG_ENV and the CPU engine's variables."""
+    (it would make the engines wait on torchrun's agent store); the rank keeps it. The host also gets
+    SGLANG_ENV and the CPU engine's variables."""
     monkeypatch.setenv(AGENT_STORE_ENV, "True")
     env = host_env({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
     assert AGENT_STORE_ENV not in env and os.environ[AGENT_STORE_ENV] == "True"

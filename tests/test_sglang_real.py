@@ -38,7 +38,8 @@ def run_in_venv(cmd: list[str], what: str, timeout: float) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def engine_checks(sglang_venv_python) -> tuple[subprocess.CompletedProcess, dict]:
     """One run of ``host_checks.py`` (its docstring says what runs where) for the three tests below:
-    a torchrun worker pair, as launch/train.sh starts the trainer (c10d rendezvous, review C2)."""
+    a torchrun worker pair, as launch/train.sh starts the trainer (c10d rendezvous, which sets
+    TORCHELASTIC_USE_AGENT_STORE in every worker)."""
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(CHECKS), str(POLICY), str(free_base_port(1, 2, local_ranks=2))]
     proc = run_in_venv(cmd, "host_checks.py", CHECKS_TIMEOUT_S)
@@ -64,7 +65,7 @@ def assert_all_true(verdict: dict) -> None:
 
 
 def test_real_engine_greedy_and_weight_update_session(engine_checks):
-    """Greedy equals transformers; an update outside begin/end_weight_update is refused (review C1);
+    """Greedy equals transformers; an update outside begin/end_weight_update is refused;
     inside the session it lands and greedy equals transformers with the new weights."""
     verdict = checked(engine_checks, "engine")
     assert_all_true(verdict)
@@ -75,7 +76,8 @@ def test_real_engine_greedy_and_weight_update_session(engine_checks):
 
 def test_backend_on_real_engine_under_torchrun(engine_checks):
     """Our ``SGLangEngine`` on the real engine, in a torchrun worker of a c10d rendezvous:
-    - the engine starts there (review C2: it hung waiting for a TCPStore nobody served);
+    - the engine starts there (with torchrun's TORCHELASTIC_USE_AGENT_STORE inherited it hung waiting
+      for a TCPStore nobody served);
     - ``update_weights``: generation afterwards equals transformers loaded with the pushed weights
       (C1: refused outside the session), and a refusal raises;
     - ``stats()`` reports the engine's KV capacity (32768 here) and its load (L6: capacity was 0);
@@ -100,9 +102,9 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
 
 def test_engine_hosts_on_real_engines(engine_checks):
     """One engine host process per engine, under torchrun with 2 ranks: rank 0 leads a TP-1 and a TP-2
-    engine. Both take a weight push and then generate what transformers does with those weights (L2);
-    the TP-2 engine's shutdown ends its processes and spares the rank's other children (L9); SIGTERM
-    to the rank and its engine host reaches our handler and the engine keeps serving (L8); a killed
+    engine. Both take a weight push and then generate what transformers does with those weights;
+    the TP-2 engine's shutdown ends its processes and spares the rank's other children; SIGTERM
+    to the rank and its engine host reaches our handler and the engine keeps serving; a killed
     sglang scheduler makes poll(None) raise EngineDiedError instead of waiting forever; idle engines
     (both, between requests) sleep instead of spinning a core each."""
     verdict = checked(engine_checks, "hosts")

@@ -114,7 +114,8 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
 
 def host_env(extra: dict[str, str]) -> dict[str, str]:
     """The engine host's environment: the rank's, with ``SGLANG_ENV`` and ``extra`` (``cpu_engine_env``
-    or ``gpu_engine_env``) set and ``TORCHELASTIC_USE_AGENT_STORE`` removed (review C2).
+    or ``gpu_engine_env``) set and ``TORCHELASTIC_USE_AGENT_STORE`` removed (the engines would
+    otherwise wait on torchrun's agent store).
 
     torchrun's c10d rendezvous sets that variable to True in every worker. sglang's schedulers would
     inherit it, and their ``init_process_group("tcp://127.0.0.1:<nccl_port>")`` then only creates

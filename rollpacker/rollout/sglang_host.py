@@ -5,14 +5,14 @@ Why a process per engine (review items; sglang 0.5.17 and 0.5.23 alike unless sa
   ``runtime_context.py``; ``Engine.__init__`` publishes its own), so a rank leading engines of
   two TP sizes in one process serialised weights for the wrong TP size
   (``SGLangSurface.process_wide_config``), and every ``Engine`` of a process shares the main
-  thread's event loop (L2);
+  thread's event loop;
 - the first ``TokenizerManager`` call on a main thread installs loop handlers for SIGTERM and
   SIGQUIT (``tokenizer_manager.py``, ``auto_create_handle_loop``: 0.5.17 line 2163, 0.5.23 line
   2455) whose watchdog exits the process: in the rank process that ended the run before our
-  end-of-step checkpoint (L8);
+  end-of-step checkpoint;
 - ``Engine.shutdown`` kills every child of its process (``kill_process_tree(os.getpid(),
   include_parent=False)``, ``entrypoints/engine.py``: 0.5.17 line 1230, 0.5.23 line 1491): in the
-  rank process that took the reward workers with it (L9).
+  rank process that took the reward workers with it.
 
 The host is started by the rank in a new session, so its process group is the host plus the
 scheduler and detokenizer processes sglang spawns; the rank kills that group, and nothing else,
@@ -437,7 +437,7 @@ def _picklable(exc: Exception) -> Exception:
 
 
 def _keep_sigterm_ignored(loop: asyncio.AbstractEventLoop) -> None:
-    """sglang installs a SIGTERM loop handler on its first main-thread call (L8): take it off again."""
+    """sglang installs a SIGTERM loop handler on its first main-thread call: take it off again."""
     with contextlib.suppress(Exception):
         loop.remove_signal_handler(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

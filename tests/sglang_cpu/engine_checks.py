@@ -94,7 +94,7 @@ def compare(label: str, got: list[list[int]], want: list[list[int]]) -> bool | s
 @contextlib.contextmanager
 def without_agent_store() -> Iterator[None]:
     """Hide torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` from the schedulers ``sglang.Engine`` spawns:
-    with it they wait for a TCPStore nobody serves (review C2; our backend's ``host_env`` strips it)."""
+    with it they wait for a TCPStore nobody serves (our backend's ``host_env`` strips it)."""
     from rollpacker.rollout.sglang_api import AGENT_STORE_ENV
 
     saved = os.environ.pop(AGENT_STORE_ENV, None)

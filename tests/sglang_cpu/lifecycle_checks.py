@@ -1,8 +1,9 @@
 """Engine-lifecycle checks of our ``SGLangEngine`` against the real ``sglang.Engine`` (0.5.23) on CPU.
 
 Run by ``host_checks.py`` on rank 0's TP-1 engine: the engine starts under torchrun's c10d
-rendezvous (review C2); the KV capacity and load the backend reports come from the engine (L6);
-memory is released only once every aborted request has come back and the engine is idle (L1):
+rendezvous (whose TORCHELASTIC_USE_AGENT_STORE the engine host must not inherit); the KV capacity
+and load the backend reports come from the engine (not our estimate);
+memory is released only once every aborted request has come back and the engine is idle:
 released too early, sglang's scheduler asserts and kills the engine host.
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ def wait_until_running(eng, n: int, timeout_s: float = 30.0):
 
 
 def lifecycle_checks(eng, prompts, want) -> dict:
-    """Submit long requests; while they run, check the reported stats (L6); then abort them all
-    and release memory at once (L1); after resume, greedy output must still equal ``want``."""
+    """Submit long requests; while they run, check the reported stats (not our estimate); then abort them all
+    and release memory at once; after resume, greedy output must still equal ``want``."""
     from engine_checks import CPU_ENGINE_ARGS, backend_generate, compare
     from rollpacker.rollout.engine import MEMORY_TAGS, GenerationRequest, SamplingParams
 
@@ -139,7 +140,7 @@ def doorbell_check(eng, prompt) -> bool | str:
 def start_under_torchrun(start, verdict: dict):
     """``start()`` the backend's first engine in this torchrun worker (``torch.distributed.run
     --standalone``, a c10d rendezvous, which sets TORCHELASTIC_USE_AGENT_STORE=True): the engine must
-    come up, and the worker's own environment must be left as torchrun set it (review C2)."""
+    come up, and the worker's own environment must be left as torchrun set it."""
     before = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
     verdict["under_torchrun_agent_store"] = (
         True if before == "True"
