@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     node = int(os.environ.get("SLURM_NODEID", 0))  # launch/train.sh: one launcher per node; the first one reports
     pre = preflight(rank_argv, Ranks(world, args.nproc_per_node, rank=node * args.nproc_per_node))
     if pre.finished_step is not None:
-        print(f"rollpacker: {pre.run_dir} is complete: its checkpoint of step {pre.finished_step} covers "
-              f"run.steps={pre.cfg.run.steps}; nothing to do (raise run.steps to train on)", file=sys.stderr)
+        print(pre.finished_line(), file=sys.stderr)
         return 0
     return launch(args, rank_argv, pre.run_dir)
 

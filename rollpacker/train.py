@@ -44,8 +44,7 @@ def _train(argv: list[str] | None) -> int:
     pre = preflight(argv)  # every rank refuses a bad config, model or dataset before any work
     if pre.finished_step is not None:  # every rank sees the same checkpoint and stops before any group forms
         if os.environ.get("RANK", "0") == "0":
-            print(f"rollpacker: {pre.run_dir} is complete: its checkpoint of step {pre.finished_step} covers "
-                  f"run.steps={pre.cfg.run.steps}; nothing to do (raise run.steps to train on)", file=sys.stderr)
+            print(pre.finished_line(), file=sys.stderr)
         return 0
 
     from rollpacker.runtime.run import Run

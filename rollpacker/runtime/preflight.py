@@ -44,6 +44,10 @@ class Preflight:
     run_dir: Path
     finished_step: int | None  # the run already holds a checkpoint of its last step: nothing to do
 
+    def finished_line(self) -> str:
+        return (f"rollpacker: {self.run_dir} is complete: its checkpoint of step {self.finished_step} covers "
+                f"run.steps={self.cfg.run.steps}; nothing to do (raise run.steps to train on)")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rollpacker.train",
