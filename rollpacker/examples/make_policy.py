@@ -4,11 +4,13 @@
 
 Writes the tokenizer, a small Qwen2ForCausalLM after a supervised warm-up on
 stepchain derivations, and the train/eval prompt files.  The demonstrations
-carry a per-step error rate, so the policy is imperfect in the way GRPO needs:
-short chains are usually right, long chains usually wrong.
+carry a per-step error rate and, in the last stages, a share of final lines
+that the task's strict checker rejects (``REJECTED_ANSWER_LINES``), so the
+policy is imperfect in ways GRPO can fix from the reward: sampled chains make
+mistakes, and over half the samples end in the wrong answer format.
 
-By default (``--recipe shipped``) it makes the shipped ``assets/policy``: three
-warm-up stages, each continuing the last (``SHIPPED_STAGES``; 11.6 min of
+By default (``--recipe shipped``) it makes the shipped ``assets/policy``: five
+warm-up stages, each continuing the last (``SHIPPED_STAGES``; about 25 min of
 one-thread CPU time in all; the last stage's ``warmup.json`` records its
 settings). ``--recipe single`` runs one stage with the flags given, e.g.
 ``--init DIR`` to continue a warm-up.
@@ -54,6 +56,9 @@ class WarmupConfig:
     weight_decay: float = 0.01
     step_error_rate: float = 0.05  # per-step corruption of the demonstrations
     uniform_fraction: float = 0.3  # share of examples with uniform (not log-normal) step counts
+    # Share of demonstrations whose last line is an answer the strict checker rejects
+    # (REJECTED_ANSWER_LINES): the format lesson GRPO has to learn from the reward alone.
+    rejected_format_rate: float = 0.0
     threads: int = 1
     init: str | None = None  # continue from this checkpoint instead of random weights
 
@@ -63,6 +68,18 @@ def _demonstration(rng: random.Random, cfg: WarmupConfig) -> task.Problem:
     # distribution alone would show the model almost no 30..50-step chains.
     uniform = rng.random() < cfg.uniform_fraction
     return task.sample_problem(rng, rng.randint(1, task.MAX_STEPS) if uniform else None)
+
+
+# Final lines a reader would accept and the task's checker does not (it wants exactly "Answer: N").
+REJECTED_ANSWER_LINES = ("Result: {}", "So the value is {}", "= {}")
+
+
+def _response(problem: task.Problem, rng: random.Random, cfg: WarmupConfig) -> str:
+    text = task.derivation(problem, rng=rng, error_rate=cfg.step_error_rate)
+    if cfg.rejected_format_rate > 0 and rng.random() < cfg.rejected_format_rate:
+        body, _, answer = text.rpartition("\nAnswer: ")
+        text = f"{body}\n{rng.choice(REJECTED_ANSWER_LINES).format(answer)}"
+    return text
 
 
 def _encode(tok, problem: task.Problem, response: str) -> tuple[list[int], int]:
@@ -78,7 +95,7 @@ def _batches(cfg: WarmupConfig, tok, rng: random.Random):
         pool = []
         for _ in range(512):
             problem = _demonstration(rng, cfg)
-            pool.append(_encode(tok, problem, task.derivation(problem, rng=rng, error_rate=cfg.step_error_rate)))
+            pool.append(_encode(tok, problem, _response(problem, rng, cfg)))
         pool.sort(key=lambda item: len(item[0]))
         batches, current = [], []
         for item in pool:
@@ -163,11 +180,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-# The shipped policy's warm-up: a long stage at the default rate, then two shorter ones at lower rates.
+# The shipped policy's warm-up: a long stage at the default rate, two shorter ones at lower rates,
+# then two on cleaner derivations of which 55% end in a rejected answer line. After them greedy
+# decoding is right on nearly every held-out prompt, while at temperature 1 over half the responses
+# end in a line the checker rejects: a lesson the reward alone teaches (docs/example.md).
 SHIPPED_STAGES = (
     {"seed": 0, "steps": 500},
     {"seed": 1, "steps": 250, "lr": 1e-3, "warmup_steps": 10},
     {"seed": 2, "steps": 400, "lr": 1.5e-3, "warmup_steps": 10},
+    {"seed": 3, "steps": 400, "lr": 1e-3, "warmup_steps": 10, "step_error_rate": 0.02, "rejected_format_rate": 0.55},
+    {"seed": 4, "steps": 600, "lr": 1e-3, "warmup_steps": 10, "step_error_rate": 0.02, "rejected_format_rate": 0.55},
 )
 
 

@@ -184,6 +184,11 @@ class Backend(abc.ABC):
     def reduce_grads(self, scale: float) -> None:
         """Sum gradients over the data-parallel replicas, then multiply them by ``scale``."""
 
+    def set_lr(self, lr: float) -> None:
+        """The rate of the next steps; a group's ``lr_mult`` (Megatron's, e.g. 0 for frozen params) scales it."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
     @abc.abstractmethod
     def step(self) -> StepResult:
         """Clip to ``grad_clip`` and update, unless the global gradient norm is NaN/Inf."""

@@ -129,10 +129,11 @@ class GpuBackend(Backend):
                             use_distributed_optimizer=True),
             [self.ddp], pg_collection=layout.pg_collection, use_gloo_process_groups=False)
         # Megatron's groups carry wd_mult (0 for biases and 1-D params); its LR scheduler
-        # normally applies it each step. The schedule here is constant, so apply it once.
+        # normally applies it each step. Weight decay is constant here, so apply it once; the
+        # trainer sets the rate of every step (set_lr).
         for group in self.optimizer.param_groups:
-            group["lr"] = cfg.lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 1.0)
+        self.set_lr(cfg.lr)
         config.grad_scale_func = self.optimizer.scale_loss
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = None

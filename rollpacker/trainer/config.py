@@ -18,6 +18,10 @@ class TrainerConfig:
     pp: int = 1
     cp: int = 1
     lr: float = 1e-6
+    # Linear warm-up: optimizer step k (from 1) runs at lr * min(1, k / lr_warmup_steps). Adam's
+    # first bias-corrected updates move every weight by about lr whatever its gradient, so a fresh
+    # optimizer on a tuned policy spends its first steps on noise unless the rate starts low.
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -50,12 +54,18 @@ class TrainerConfig:
     # and a C compiler on the node) instead of separate silu and multiply kernels.
     fused_swiglu: bool = False
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (counted from 1)."""
+        return self.lr * min(1.0, step / self.lr_warmup_steps) if self.lr_warmup_steps else self.lr
+
     def validate(self) -> None:
         for name in ("tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"lr_warmup_steps must be >= 0 (0: no warm-up), got {self.lr_warmup_steps}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
             raise ConfigError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={self.clip_low}, "
                               f"clip_high={self.clip_high}")

@@ -62,7 +62,10 @@ class Trainer:
 
     def finish_step(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
         """End a streamed step (after ``stream.begin()`` / ``stream.consume(...)``); see StreamTrainer.finish."""
+        lr = self.cfg.lr_at(self.steps + 1)
+        self.backend.set_lr(lr)
         metrics = self.stream.finish(remaining)
+        metrics["lr"] = lr
         self.steps += 1 - metrics["skipped"]
         return metrics
 
