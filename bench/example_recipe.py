@@ -4,8 +4,9 @@
         [--out /tmp/example_recipe] [--results bench/results/example.json] \
         [--plot docs/example_curve.png] [--config configs/tiny-cpu.yaml] [-- extra overrides]
 
-Runs ``torchrun --nproc_per_node 2 -m rollpacker.train --config CONFIG run.seed=S scheduler.mode=M ...``
-once per seed and mode (one at a time: each run takes both ranks), each into a fresh
+Runs ``torchrun --nproc_per_node 2 -m rollpacker.train --config CONFIG run.seed=S data.seed=S
+rollout.seed=S scheduler.mode=M ...`` once per seed and mode (``run.seed`` alone seeds only the
+trainer's init: the data order and the sampling have seeds of their own) (one at a time: each run takes both ranks), each into a fresh
 ``OUT/<M>-s<S>/`` directory, and reads every eval line of its ``metrics.jsonl``: greedy pass@1 and
 pass@1 at temperature 1 (``eval/greedy/pass@1``, ``eval/t1/pass@1``) per evaluated step, step 0 being
 the starting policy.
@@ -52,7 +53,7 @@ def run_one(args, mode: str, seed: int, out: Path) -> dict:
     name = f"{args.tag}{mode}-s{seed}"
     shutil.rmtree(out / name, ignore_errors=True)  # a same-named run would resume instead
     cmd = ["torchrun", "--nproc_per_node", "2", "-m", "rollpacker.train", "--config", args.config,
-           f"run.name={name}", f"run.output_dir={out}", f"run.seed={seed}", f"scheduler.mode={mode}",
+           f"run.name={name}", f"run.output_dir={out}", f"run.seed={seed}", f"data.seed={seed}", f"rollout.seed={seed}", f"scheduler.mode={mode}",
            "run.wandb=disabled", "run.save_every=0", *args.overrides]
     print("+", shlex.join(cmd), flush=True)
     log = out / f"{name}.log"
