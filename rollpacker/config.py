@@ -26,6 +26,8 @@ from rollpacker.trainer.config import TrainerConfig
 class RunSection:
     name: str = "run"
     output_dir: str = "runs"
+    # The trainer's torch seed. The data order (data.seed) and the rollout's sampling (rollout.seed)
+    # have their own: an independent repeat of a run sets all three.
     seed: int = 1
     steps: int = 10
     save_every: int = 5  # steps between checkpoints; 0 disables periodic saves

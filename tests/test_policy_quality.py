@@ -73,3 +73,22 @@ def test_warmup_is_deterministic_from_its_seed(tmp_path):
     first, again, other = weights(0, "a"), weights(0, "b"), weights(1, "c")
     assert all(first[k].equal(again[k]) for k in first)
     assert not all(first[k].equal(other[k]) for k in first)
+
+
+def test_rejected_answer_lines_come_at_their_rate_and_the_checker_rejects_them():
+    import random
+
+    from rollpacker.examples import task
+    from rollpacker.examples.make_policy import REJECTED_ANSWER_LINES, WarmupConfig, _response
+
+    rng = random.Random(0)
+    cfg = WarmupConfig(step_error_rate=0.0, rejected_format_rate=0.55)
+    problems = [task.sample_problem(rng) for _ in range(2000)]
+    reasons = [task.score_response(_response(p, rng, cfg), str(p.answer()))[1] for p in problems]
+    share = reasons.count("no_answer") / len(reasons)
+    print(f"rejected answer lines: {share:.3f} of {len(reasons)} demonstrations")
+    assert 0.52 < share < 0.58 and set(reasons) == {"ok", "no_answer"}  # the chain itself stays right
+    last_lines = {_response(p, rng, cfg).splitlines()[-1].split(str(p.answer()))[0] for p in problems[:300]}
+    assert last_lines == {"Answer: ", *(line.format("") for line in REJECTED_ANSWER_LINES)}
+    assert all(task.score_response(_response(p, rng, WarmupConfig(step_error_rate=0.0)), str(p.answer()))[0]
+               for p in problems[:200])

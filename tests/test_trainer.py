@@ -106,6 +106,26 @@ def test_exact_resume_from_state_dict(layout, model_dir):
     assert same(params(fresh), after)
 
 
+def test_lr_warmup_ramps_the_rate_and_a_resumed_run_continues_the_ramp(layout, model_dir):
+    trainer = make(layout, model_dir, lr=1e-3, lr_warmup_steps=4)
+    before = params(trainer)
+    first = trainer.train_step(random_groups(2, num_groups=2))
+    # Adam's first bias-corrected update moves each weight by lr * |g| / (|g| + eps): at most lr
+    moved = max((a - b).abs().max().item() for a, b in zip(params(trainer), before))
+    print(f"step 1 at lr {first['lr']:.2e}: largest weight change {moved:.3e}")
+    assert first["lr"] == pytest.approx(2.5e-4)
+    assert 0.9 * 2.5e-4 < moved <= 2.5e-4 * (1 + 1e-5)
+    assert trainer.train_step(random_groups(3, num_groups=2))["lr"] == pytest.approx(5e-4)
+    state = trainer.state_dict()
+
+    resumed = make(layout, model_dir, lr=1e-3, lr_warmup_steps=4)
+    resumed.load_state_dict(state)
+    rates = [resumed.train_step(random_groups(4 + i, num_groups=2))["lr"] for i in range(3)]
+    assert rates == pytest.approx([7.5e-4, 1e-3, 1e-3])
+    with pytest.raises(Exception, match="lr_warmup_steps"):
+        TrainerConfig(lr=1e-3, lr_warmup_steps=-1).validate()
+
+
 def test_kl_reference_is_swapped_in_and_out(layout, model_dir):
     trainer = make(layout, model_dir, kl_coef=0.5, lr=1e-2)
     groups = random_groups(4, num_groups=2)
