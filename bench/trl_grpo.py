@@ -18,13 +18,16 @@ Needs TRL, which CI does not install::
     python bench/trl_grpo.py --policy assets/policy --data assets/data/train.jsonl --steps 3 \\
         --p0 16 --r0 4 --max-response-length 512 --lr 2e-4 --seed 0 --threads 2 --json out.json
 
-Writes ``--json``: trl_version, steps, p0, r0, seconds_per_step, generation_seconds, reward_mean,
+Writes ``--json``: trl_version, steps, p0, r0, seconds_per_step, generation_seconds, lr, reward_mean,
 accuracy, prompts_trained (one entry per step) and settings (every TRL argument set here).
+``--save DIR`` keeps the trained policy for an offline evaluation (``bench/example_trl.py`` runs the
+program's own held-out eval on it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -53,15 +56,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-length", type=int, default=1024,
                    help="prompts longer than this are skipped, as data.max_prompt_length does")
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr-warmup-steps", type=int, default=0,
+                   help="linear warm-up as trainer.lr_warmup_steps: step k (from 1) at lr * min(1, k / N)")
     p.add_argument("--seed", type=int, default=0, help="GRPOConfig.seed: seeds torch, hence sampling")
     p.add_argument("--data-seed", type=int, default=1,
                    help="prompt order seed; RollPacker's data.seed (default 1) for the same order")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    p.add_argument("--save", default=None,
+                   help="save the trained policy here (weights, and the tokenizer files of --policy) "
+                        "for an offline evaluation")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.p0 < 1 or args.r0 < 2 or args.threads < 1:
-        p.error("need --steps >= 1, --p0 >= 1, --r0 >= 2 (GRPO needs a group) and --threads >= 1")
+    if args.steps < 1 or args.p0 < 1 or args.r0 < 2 or args.threads < 1 or args.lr_warmup_steps < 0:
+        p.error("need --steps >= 1, --p0 >= 1, --r0 >= 2 (GRPO needs a group), --threads >= 1 "
+                "and --lr-warmup-steps >= 0")
     return args
 
 
@@ -137,10 +146,10 @@ def trl_settings(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
         per_device_train_batch_size=args.p0 * args.r0, gradient_accumulation_steps=1,
         steps_per_generation=1, num_generations=args.r0, num_iterations=1,
         shuffle_dataset=False,  # the rows are already in RollPacker's order
-        # Optimizer: trainer.{lr, adam_beta1/2, adam_eps, weight_decay, grad_clip}; constant lr.
+        # Optimizer: trainer.{lr, adam_beta1/2, adam_eps, weight_decay, grad_clip}; the schedule is
+        # passed as a LambdaLR (see run): HF's constant_with_warmup runs step 1 at lr 0, ours at lr / N.
         optim="adamw_torch", learning_rate=args.lr, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
-        lr_scheduler_type="constant", warmup_steps=0,
         # Both names: transformers 5 renamed it, and TRL's default for the old name is True.
         activation_checkpointing=False, gradient_checkpointing=False,
         # Loss: trainer.kl_coef=0, clip_low/high=0.2/0.28, token_mean over the whole step ("dapo" divides
@@ -158,6 +167,8 @@ def trl_settings(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rollpacker.trainer.config import TrainerConfig
+
     try:
         import torch
         import transformers
@@ -184,22 +195,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             self.start, self.generation = 0.0, 0.0
             self.seconds: list[float] = []
             self.generation_seconds: list[float] = []
+            self.lr: list[float] = []
 
         def on_step_begin(self, *_: Any, **__: Any) -> None:
             self.generation = 0.0
+            self.lr.append(optimizer.param_groups[0]["lr"])
             self.start = time.perf_counter()
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             self.seconds.append(time.perf_counter() - self.start)
             self.generation_seconds.append(self.generation)
 
+    schedule = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=0.0)
+    # LambdaLR's counter is 0 at the first optimizer step; trainer.lr_at counts steps from 1.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: schedule.lr_at(k + 1) / args.lr)
     rewards: list[tuple[float, float]] = []
     timer = StepTimer()
     with tempfile.TemporaryDirectory(prefix="trl_grpo_") as output_dir:
         settings = trl_settings(args, output_dir)
         trainer = GRPOTrainer(model=model, reward_funcs=make_reward(rewards),
                               args=GRPOConfig(**settings), train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, callbacks=[timer])
+                              processing_class=tokenizer, callbacks=[timer], optimizers=(optimizer, scheduler))
         trainer.remove_callback(PrinterCallback)  # its end-of-training dict would bury the summary
         # Generation happens inside training_step (GRPOTrainer._prepare_inputs), i.e. between
         # on_step_begin and on_step_end. Time TRL's sampling method itself, on this instance only.
@@ -217,20 +235,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         trainer._generate_single_turn = timed_generate
         trainer.train()
+        if args.save:
+            save_policy(trainer.model, Path(args.policy), Path(args.save))
 
     if not (len(timer.seconds) == len(rewards) == args.steps):
         raise RuntimeError(f"expected {args.steps} steps, timed {len(timer.seconds)}, scored {len(rewards)}")
-    settings["output_dir"] = None  # a deleted temporary directory; nothing is saved
-    settings.update(model_dtype="float32", torch_threads=args.threads, data_seed=args.data_seed,
+    settings["output_dir"] = None  # a deleted temporary directory
+    settings.update(lr_warmup_steps=args.lr_warmup_steps, saved_to=args.save, model_dtype="float32",
+                    torch_threads=args.threads, data_seed=args.data_seed,
                     max_prompt_length=args.max_prompt_length, reward="rollpacker stepchain scorer",
                     loss_note="dapo: token-level loss summed and divided by the step's active tokens "
                               "(RollPacker token_mean)", advantage_std_eps=1e-4)
     return {
         "trl_version": trl.__version__, "steps": args.steps, "p0": args.p0, "r0": args.r0,
-        "seconds_per_step": timer.seconds, "generation_seconds": timer.generation_seconds,
+        "seconds_per_step": timer.seconds, "generation_seconds": timer.generation_seconds, "lr": timer.lr,
         "reward_mean": [r for r, _ in rewards], "accuracy": [a for _, a in rewards],
         "prompts_trained": [args.p0 * (i + 1) for i in range(args.steps)], "settings": settings,
     }
+
+
+def save_policy(model: Any, policy: Path, out: Path) -> None:
+    """The trained weights with the tokenizer and generation files of the starting policy, so the
+    directory loads wherever ``policy`` does (``model.path``, ``rollpacker-generate``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt", "generation_config.json"):
+        if (policy / name).is_file():
+            shutil.copy2(policy / name, out / name)
 
 
 def summary(result: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from rollpacker.config import Config
 from rollpacker.eval import EvalConfig, EvalRecord, eval_prompts, summarize
@@ -108,6 +109,8 @@ class EvalPhase:
         limit = max(self.max_running, max(g.n for g, _, _ in groups))  # a group larger than the limit runs alone
         records: dict[int, list[EvalRecord]] = {}
         finished_at: dict[tuple[str, str], float] = {}
+        # Only on a terminal (disable=None): a log file keeps the step lines without a bar's redraws.
+        bar = tqdm(total=len(groups), unit="group", desc=f"eval of step {step}", disable=None, leave=False)
         while waiting or driver.open_groups:
             if waiting:  # at most what could fit: placing stops at the first group that fits nowhere
                 for _ in range(driver.launch(list(itertools.islice(waiting, limit * len(engines))), limit)):
@@ -123,6 +126,8 @@ class EvalPhase:
                     now = time.monotonic() - start
                     for group in ("", f"file/{key}/", f"source/{p.data_source}/"):
                         finished_at[(name, group)] = now
+                    bar.update()
+        bar.close()
         driver.end()  # every engine's server stops with its race
         seconds = time.monotonic() - start
         ordered = [r for k in range(len(groups)) for r in records[k]]
