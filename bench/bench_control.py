@@ -3,7 +3,7 @@
     python -m bench.bench_control --engines 8,32,128,512 [--rounds 2] [--speed 1] [--out FILE]
 
 Rank 0 here is this process, running what rank 0 runs in training: the real ``Scheduler``
-(tail batching) over the real coordinator channel (a ``RemoteRace`` per engine, ZeroMQ REQ/REP
+(tail batching) over the real control plane (an ``EngineClient`` per engine, ZeroMQ REQ/REP
 to an ``EngineServer``, whose race of the groups placed on its engine pushes its news to rank 0's
 bell), its own engine raced in-process (asleep on the bell and the engine's ready descriptor, as
 with an SGLang engine), and node 0's reward pool: rank 0 is node 0's first rank, so the pool that
@@ -57,7 +57,9 @@ import psutil
 import zmq
 
 from bench.results import REPO, write_results
-from rollpacker.coordinator import Bell, Endpoint, EngineServer, RemoteRace, stop_serving
+from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_server import EngineServer
+from rollpacker.control.transport import Endpoint
 from rollpacker.examples.task import TASK_NAME
 from rollpacker.examples.tokenizer import build_tokenizer
 from rollpacker.reward import RewardConfig, RewardPool
@@ -77,7 +79,6 @@ from rollpacker.sim.traces import LengthOracle, longtail_trace
 from rollpacker.wakeup import Wakeup
 
 IDLE = "idle-probe"  # the idle probe's request-id prefix: the longest response, so it outlasts the probe
-EXIT = "bench_exit"  # the stop reason that ends an endpoint host (a race's end: a fresh engine, next round)
 MODEL, LIMIT, R0, RESPONSES = "7b", 8192, 8, 16
 # response token ids: bytes of the tokenizer's vocabulary (ids 2..257), so decoding yields text
 TOKENS = [2 + (i * 7919) % 256 for i in range(LIMIT)]
@@ -226,7 +227,8 @@ class _Marked:
 
 
 def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
-    """An endpoint host: ``count`` EngineServers multiplexed on one poller until each is told EXIT.
+    """An endpoint host: ``count`` EngineServers multiplexed on one poller until each has served its
+    last round (the idle probe's and the trace's: each ends with its race's end).
     Node 0's engines score on rank 0's pool (``--node0-reward``), the others on this host's own."""
     replay = Replay(int(args.engines), args.rounds, args.speed, args.seed)
     ids = range(first_id, first_id + count)
@@ -250,6 +252,7 @@ def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
         poller.register(s.socket, zmq.POLLIN)
         index[s.socket] = i
     answered = [0] * count
+    rounds_left = [1 + args.rounds] * count  # the idle probe's round, then every round of the trace (a host's --rounds)
     live = count
     while live:
         wake = [t for t in (e.next_wall_time() for e in hosted) if t is not None]
@@ -269,12 +272,14 @@ def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
                 continue
             i = index[sock]
             servers[i].advance()
-            reason = servers[i].answer()
+            ended = servers[i].answer() is not None
             answered[i] += 1
-            if reason == EXIT:
+            if ended:
+                rounds_left[i] -= 1
+            if ended and not rounds_left[i]:
                 poller.unregister(sock)
                 live -= 1
-            elif reason is not None:  # the round is over: the next one gets a fresh engine
+            elif ended:  # the next round gets a fresh engine
                 hosted[i] = replay.engine(first_id + i)
                 servers[i].bind(hosted[i], sinks[i])
     for s in servers:
@@ -332,16 +337,16 @@ class Hosts:
 
 # ---- rank 0 -----------------------------------------------------------------------------------
 
-class CountingRace(RemoteRace):
+class CountingRace(EngineClient):
     """The coordinator's handle on a race, counting the calls it sends (each gets one reply)."""
 
     def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell, clock: ScaledClock) -> None:
         super().__init__(endpoint, engine_id, bell, clock=clock)
         self.sent: collections.Counter[str] = collections.Counter()
 
-    def begin(self, method: str, *args: Any) -> Any:
-        self.sent[method] += 1
-        return super().begin(method, *args)
+    def begin(self, call: Any) -> Any:
+        self.sent[type(call).__name__.lower()] += 1
+        return super().begin(call)
 
 
 def idle_cpu_per_s(engines: list, sink: PoolRewardSink, seconds: float) -> float:
@@ -452,7 +457,6 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                                "generated_tokens": s.generated_tokens})
             sent = sum((r.sent for r in races), collections.Counter()) - sent_before
             sent["push"] = bell.received - pushes_before  # the races' news (one-way, no reply)
-            stop_serving(races, EXIT)
             reports = hosts.reports()
         finally:
             for race in races:

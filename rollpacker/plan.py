@@ -4,7 +4,7 @@
                     [--nodes 2 --gpus-per-node 8 --device-gb 80 --shape qwen2.5-7b]
 
 The trainer and the rollout engines share every GPU and take turns
-(:mod:`rollpacker.phases`): in **rollout** the trainer's params and optimizer
+(:mod:`rollpacker.memory_phases`): in **rollout** the trainer's params and optimizer
 state wait on the host, its gradient buffer is freed (dropped on offload and
 zero-filled on onload, like Megatron's ``offload_to_cpu``) and one engine set
 holds its weights and KV pool; in **sync** the trainer is back while the
@@ -473,14 +473,6 @@ def resolve_spec(cfg: Config, shape: str | None = None) -> tuple[ModelSpec, str]
         return parse_spec(known), f"{known.relative_to(SHAPES_DIR.parent.parent)}, as {own} does not exist"
     names = ", ".join(sorted(p.stem for p in SHAPES_DIR.glob("*.json")))
     raise ConfigError(f"{cfg.source}: model.path: no {own}; pass --shape (one of {names}, or a config.json)")
-
-
-def fitting_tp_choices(cfg: Config, world_size: int, device_bytes: int, *, spec: ModelSpec | None = None) -> list[int]:
-    """The rollout TPs of ``planner.tp_choices`` whose engines fit: weights plus one longest
-    request's KV in the static budget, and weights beside the resident trainer in the sync phase."""
-    spec = spec or resolve_spec(cfg)[0]
-    plan = plan_memory(cfg, spec, world_size=world_size, device_bytes=device_bytes)
-    return [e.tp for e in plan.engines if not e.problem]
 
 
 def check_memory(cfg: Config, world_size: int) -> None:

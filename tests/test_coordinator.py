@@ -1,4 +1,4 @@
-"""The coordinator channel between real processes: a peer that dies is reported at once, rank 0
+"""The control plane between real processes: a peer that dies is reported at once, rank 0
 reaches every engine in one round trip, and a race's news reaches rank 0 exactly once.
 
 Every test runs one end of the channel here and the other in a child process that it kills or
@@ -20,7 +20,11 @@ from typing import Callable, Iterator
 
 import pytest
 
-from rollpacker.coordinator import Bell, EngineServer, Endpoint, GroupInbox, PeerLostError, RemoteRace
+from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_server import EngineServer
+from rollpacker.scheduler.calls import End, Retire, Stats
+from rollpacker.control.transport import Endpoint, PeerLostError
+from rollpacker.runtime.streaming import GroupInbox
 from rollpacker.testing import REPO_ROOT
 
 
@@ -196,7 +200,7 @@ def served(engine: str) -> Iterator[subprocess.Popen]:
     """A child process serving ``engine`` (a class of this module) as a rank's ``EngineServer``;
     its port is ``.port``."""
     server = child(f"""
-        from rollpacker.coordinator import EngineServer
+        from rollpacker.control.engine_server import EngineServer
         from test_coordinator import {engine}
         server = EngineServer()
         print(server.port, flush=True)
@@ -210,8 +214,8 @@ def served(engine: str) -> Iterator[subprocess.Popen]:
         server.wait()
 
 
-def remote(port: int, engine_id: int, timeout_s: float, bell: Bell | None = None) -> RemoteRace:
-    return RemoteRace(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id, bell, timeout_s=timeout_s)
+def remote(port: int, engine_id: int, timeout_s: float, bell: Bell | None = None) -> EngineClient:
+    return EngineClient(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id, bell, timeout_s=timeout_s)
 
 
 def group(key: int, prefix: str, n: int = 1, r0: int | None = None):
@@ -228,8 +232,8 @@ def group(key: int, prefix: str, n: int = 1, r0: int | None = None):
 def test_a_remote_call_raises_when_the_serving_rank_dies_in_it():
     with served("DiesOnStats") as server:
         proxy = remote(server.port, 1, timeout_s=60)
-        proxy.stats()  # answered: the connection is up
-        error = raised_within(30, proxy.stats)
+        proxy.call(Stats())  # answered: the connection is up
+        error = raised_within(30, lambda: proxy.call(Stats()))
         proxy.shutdown()
         assert isinstance(error, PeerLostError) and "rank 1, serving engine 1, hung up" in str(error)
         assert server.wait() == -9
@@ -239,9 +243,11 @@ def test_a_serving_rank_raises_when_the_coordinator_dies():
     server = EngineServer()
     coordinator = child(f"""
         import os, signal
-        from rollpacker.coordinator import Endpoint, RemoteRace
-        remote = RemoteRace(Endpoint(1, "tcp://127.0.0.1:{server.port}", ""), 1, None)
-        remote.stats()
+        from rollpacker.control.engine_client import EngineClient
+        from rollpacker.scheduler.calls import Stats
+        from rollpacker.control.transport import Endpoint
+        remote = EngineClient(Endpoint(1, "tcp://127.0.0.1:{server.port}", ""), 1, None)
+        remote.call(Stats())
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     try:
@@ -282,12 +288,12 @@ def test_a_slow_answer_is_not_a_hang_up():
     with served("Slow") as server:
         patient, hasty = remote(server.port, 1, timeout_s=60), remote(server.port, 2, timeout_s=0.3)
         answer: list[str] = []
-        waiting = threading.Thread(target=lambda: answer.append(patient.stats()), daemon=True)
+        waiting = threading.Thread(target=lambda: answer.append(patient.call(Stats())), daemon=True)
         try:
             waiting.start()
             assert server.stdout.readline() == "in stats\n"  # the server is in the patient call
-            with pytest.raises(TimeoutError, match="engine 2 on rank 1 did not answer stats"):
-                hasty.stats()
+            with pytest.raises(TimeoutError, match="engine 2 on rank 1 did not answer Stats"):
+                hasty.call(Stats())
             assert waiting.is_alive() and not answer
             server.stdin.write("go\n")
             server.stdin.flush()
@@ -326,8 +332,8 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
         error = outcome[0]
         print(f"launch over two engines: {error!r}; the first engine's reply was awaited first")
         assert isinstance(error, RequestError) and "no room" in str(error) and error.request_ids == ("b0",)
-        assert [type(p.stats()).__name__ for p in proxies] == ["EngineStats", "EngineStats"]
-        assert [sorted(p.end().spans) for p in proxies] == [[0], []]
+        assert [type(p.call(Stats())).__name__ for p in proxies] == ["EngineStats", "EngineStats"]
+        assert [sorted(p.call(End()).spans) for p in proxies] == [[0], []]
         for p in proxies:
             p.shutdown()
     bell.close()
@@ -352,7 +358,7 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
     from rollpacker.scheduler.dispatch import EngineDriver
 
     server = child("""
-        from rollpacker.coordinator import EngineServer
+        from rollpacker.control.engine_server import EngineServer
         from test_coordinator import FinishesAtOnce
         server = EngineServer()
         print(server.port, flush=True)
@@ -383,7 +389,7 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         next_round = taken(second)
         launch(second, 2, "e")  # complete and pushed: not handed back
         second.launch([group(3, "slow", n=2, r0=1)])  # its two responses race on: handed back with their tokens
-        handed, _ = proxy.retire()  # what the driver's retire gets from the server
+        handed, _ = proxy.call(Retire())  # what the driver's retire gets from the server
         after_retire = taken(second)
     finally:
         proxy.shutdown()

@@ -28,7 +28,7 @@ import pytest
 from bench.gpu_rollout_checks import CPU_SYNC_BOUND
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError, to_dict
-from rollpacker.coordinator import SILENT_PEER_S
+from rollpacker.control.transport import SILENT_PEER_S
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.runtime.preflight import fit_to_nodes, preflight
 from rollpacker.testing import REPO_ROOT

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from rollpacker.coordinator import PeerLostError
+from rollpacker.control.transport import PeerLostError
 from rollpacker.examples.tokenizer import build_tokenizer
 from rollpacker.reward import RewardConfig, RewardPool
 from rollpacker.reward.service import RemoteRewardSink, RewardService

@@ -9,7 +9,7 @@ import torch
 
 from rollpacker.checkpoint import CheckpointManager
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
-from rollpacker.phases import Phase, PhaseError, PhaseMachine
+from rollpacker.memory_phases import Phase, PhaseError, PhaseMachine
 
 
 def test_checkpoint_roundtrip_restores_rng_and_state(tmp_path):

@@ -230,8 +230,9 @@ def test_long_round_hands_an_engine_to_the_stream_trainer(stream_run):
     assert 0.2 <= r["handoff_fraction"] <= 0.5
     assert r["migrated_requests"] <= 8  # at most rank 1's half of the round's 16
     # how many streamed groups trained before the round's rollout ended is timing as well (their
-    # last responses may finish late); the overlap itself is pinned by test_stream.py
-    assert r["streamed_groups"] > 0 and 0 <= r["train/stream_groups_before_rollout_end"] <= r["streamed_groups"]
+    # last responses may finish late), so only its bound is checked here; the overlap itself is
+    # pinned by test_stream.py
+    assert r["streamed_groups"] > 0 and r["train/stream_groups_before_rollout_end"] <= r["streamed_groups"]
     assert r["groups"] == 4 and r["group_sizes"] == [4] and r["responses_kept"] == 16
     assert {x["rollout_tp"] for x in rows} == {1}  # the planner, from the profile in tiny-cpu.yaml
     assert (stream_run / "timeline" / "step_000005.png").exists()

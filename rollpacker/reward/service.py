@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from rollpacker.coordinator import PeerLostError, _bind, _context
+from rollpacker.control.transport import REWARD_SERVICE_PORT, PeerLostError, bind, context
 from rollpacker.reward.pool import RewardPool
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.sample import Sample
@@ -35,7 +35,6 @@ from rollpacker.scheduler.protocols import RewardSink
 from rollpacker.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
-_PORT_OFFSET = 192  # after the engine server's, the group inbox's and the bell's (``coordinator._bind``)
 
 
 class RewardService:
@@ -43,9 +42,9 @@ class RewardService:
 
     def __init__(self, pool: RewardPool):
         self._pool = pool
-        self._sock = _context().socket(zmq.ROUTER)
+        self._sock = context().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.port = _bind(self._sock, _PORT_OFFSET)
+        self.port = bind(self._sock, REWARD_SERVICE_PORT)
         self._scores: collections.deque[tuple[bytes, int, Any, str | None]] = collections.deque()
         self._wakeup = Wakeup()
         self._closing = False
@@ -101,7 +100,7 @@ class RemoteRewardSink:
     awaited with ``PeerLostError``."""
 
     def __init__(self, address: str):
-        self._sock = _context().socket(zmq.DEALER)
+        self._sock = context().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._hangups = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)

@@ -127,7 +127,6 @@ class EngineStats:
     kv_tokens_capacity: int = 0
     preemptions: int = 0
     tokens_generated: int = 0
-    busy_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
 

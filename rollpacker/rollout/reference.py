@@ -325,7 +325,6 @@ class ReferenceEngine(RolloutEngine):
 
     # ---- scheduling ----------------------------------------------------------------------------
     def _step(self) -> None:
-        start = time.perf_counter()
         if self._running:
             self._grow_pages()
         if self._running:
@@ -340,7 +339,6 @@ class ReferenceEngine(RolloutEngine):
             self._emit(rows, logits)
         self._admit()
         self._retire_finished()
-        self._stats.busy_seconds += time.perf_counter() - start
 
     def _forward(self, plan: ForwardPlan) -> torch.Tensor:
         self._send("forward", plan)

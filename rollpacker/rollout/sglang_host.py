@@ -129,7 +129,6 @@ class SGLangDriver:
         # holds them (and so is not idle) until then. Changed on the loop thread, waited on by callers.
         self._in_sglang: set[str] = set()
         self._returned = threading.Condition()
-        self._busy_since: float | None = None
         # Fixed at startup (the scheduler sizes its pool once): the token capacity the stream
         # trainer's hand-off weighs the projected KV demand against.
         self.kv_capacity = int(self._call("Engine.get_server_info")["max_total_num_tokens"])
@@ -147,8 +146,6 @@ class SGLangDriver:
             with self._returned:
                 self._in_sglang.add(r.request_id)
             self._loop.run(self._generate(r, self._active[r.request_id]))
-        if self._active and self._busy_since is None:
-            self._busy_since = time.monotonic()
         if errors:
             raise RequestError("; ".join(errors), refused)
 
@@ -172,7 +169,6 @@ class SGLangDriver:
                 done.append(item)
                 self._active.pop(item.request_id, None)
                 self._stats.tokens_generated += len(item.output_ids)
-        self._update_busy()
         if failures:  # the completions are not lost: they come back with the next poll, which a ring wakes
             for c in done:
                 self._result(c)
@@ -185,14 +181,12 @@ class SGLangDriver:
             del self._active[rid]
             self._aborted.add(rid)
             self._loop.call(lambda rid=rid: self._call("TokenizerManager.abort_request", rid=rid, abort_all=False))
-        self._update_busy()
 
     def abort_all(self) -> None:
         if self._active:
             self._aborted.update(self._active)
             self._active.clear()
             self._loop.call(lambda: self._call("TokenizerManager.abort_request", rid="", abort_all=True))
-        self._update_busy()
 
     def evict(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> list[Completion]:
         """Abort the requests and collect what SGLang returns for each: the output so far
@@ -223,7 +217,6 @@ class SGLangDriver:
         finally:
             for item in others:
                 self._result(item)
-        self._update_busy()
         return handed
 
     def active_request_ids(self) -> list[str]:
@@ -291,15 +284,14 @@ class SGLangDriver:
     def stats(self) -> EngineStats:
         """The engine's own load (running, waiting, KV tokens in use, of ``max_total_num_tokens``);
         preemptions = retractions. ``extra["in_flight"]`` counts requests not yet returned to us."""
-        busy = self._stats.busy_seconds + (time.monotonic() - self._busy_since if self._busy_since else 0.0)
         load = self.engine_load()
         return EngineStats(running=load.num_running_reqs if load else len(self._active),
                            waiting=load.num_waiting_reqs if load else 0,
                            kv_tokens_used=load.num_used_tokens if load else 0,
                            kv_tokens_capacity=self.kv_capacity,
                            preemptions=self._stats.preemptions, tokens_generated=self._stats.tokens_generated,
-                           busy_seconds=busy, extra={"backend": "sglang", "in_flight": len(self._active),
-                                                     "load_snapshot": load is not None})
+                           extra={"backend": "sglang", "in_flight": len(self._active),
+                                  "load_snapshot": load is not None})
 
     def engine_load(self) -> Any:
         """The scheduler's latest load snapshot, or None if it publishes none."""
@@ -365,12 +357,6 @@ class SGLangDriver:
         if self._doorbell is not None:
             with contextlib.suppress(BlockingIOError):
                 os.write(self._doorbell, b"\0")
-
-    def _update_busy(self) -> None:
-        now = time.monotonic()
-        if not self._active and self._busy_since is not None:
-            self._stats.busy_seconds += now - self._busy_since
-            self._busy_since = None
 
     def _memory(self, qualname: str, tags: Sequence[str]) -> None:
         unknown = set(tags) - set(MEMORY_TAGS)

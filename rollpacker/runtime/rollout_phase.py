@@ -1,7 +1,7 @@
 """The rollout phase of one step, as every rank runs it.
 
 Rank 0 coordinates: it runs the scheduler over the round's engines, its own raced in-process,
-the others through ``RemoteRace`` handles. Every engine races the prompt groups placed on it where
+the others through an ``EngineClient`` each. Every engine races the prompt groups placed on it where
 it is, scored by its node's reward pool (``reward/service.py``), and rank 0 hears of each group
 once. Every other rank plays one role for the round, chosen by the layout of the round's TP size:
 
@@ -20,10 +20,12 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from rollpacker.coordinator import ROUND_END, TO_TRAINING, Bell, EngineServer, GroupFeed, GroupInbox, RemoteRace, \
-    exchange_endpoints
+from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_server import EngineServer
+from rollpacker.scheduler.calls import StopReason
+from rollpacker.control.transport import exchange_endpoints
 from rollpacker.runtime.engines import EngineSets
-from rollpacker.runtime.streaming import StreamFeed, stream_train
+from rollpacker.runtime.streaming import GroupFeed, GroupInbox, StreamFeed, stream_train
 from rollpacker.sample import Sample, SampleGroup
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
@@ -48,7 +50,7 @@ class RolloutPhase:
         self.server, self.inbox = EngineServer(), GroupInbox()
         world = engines.world
         self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=world.control)
-        self._proxies: dict[tuple[int, int], RemoteRace] = {}
+        self._proxies: dict[tuple[int, int], EngineClient] = {}
         self.bell = Bell() if self.rank == 0 else None  # every remote race pushes its news here
         if self.rank == 0:  # every engine's proxy now, while every rank is alive: ZeroMQ reports a
             # connection that closed, but one first made to a rank already gone would just never
@@ -84,7 +86,7 @@ class RolloutPhase:
         server's loop. Returns (``work``'s result on rank 0, else None; whether this rank was handed
         to training)."""
         layout, engine = self.engines.layout, self.engines.active
-        result, reason = None, ROUND_END
+        result, reason = None, StopReason.ROUND_END
         if self.rank == 0:
             result = work([engine if leader == 0 else self._proxy(layout.tp, eid, leader)
                            for eid, leader in enumerate(layout.leaders)])
@@ -98,7 +100,7 @@ class RolloutPhase:
             box = [reason]  # followers learn from their leader whether the round ended or they train
             dist.broadcast_object_list(box, src=layout.leader, group=layout.control)
             reason = box[0]
-        return result, reason == TO_TRAINING
+        return result, reason == StopReason.TO_TRAINING
 
     def stream_train(self, stream: StreamTrainer) -> int:
         """On a rank handed to training: consume the groups fed to it until the rollout ends."""
@@ -111,10 +113,10 @@ class RolloutPhase:
         done = {id(g) for g in self.streamed}
         return [g for g in result.kept if id(g) not in done]
 
-    def _proxy(self, tp: int, engine_id: int, leader: int) -> RemoteRace:
+    def _proxy(self, tp: int, engine_id: int, leader: int) -> EngineClient:
         key = (tp, engine_id)
         if key not in self._proxies:
-            self._proxies[key] = RemoteRace(self.endpoints[leader], engine_id, self.bell)
+            self._proxies[key] = EngineClient(self.endpoints[leader], engine_id, self.bell)
         return self._proxies[key]
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from rollpacker.checkpoint import CheckpointManager, FileFault
 from rollpacker.configlib import ConfigError, to_dict
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
-from rollpacker.phases import Phase, PhaseMachine
+from rollpacker.memory_phases import Phase, PhaseMachine
 from rollpacker.reward import RewardPool
 from rollpacker.reward.service import NodeReward
 from rollpacker.rollout_report import TABLE_COLUMNS, completion_rows, plot_gantt

@@ -18,11 +18,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch.distributed as dist
+import zmq
 
-from rollpacker.coordinator import GroupFeed, GroupInbox
+from rollpacker.control.transport import GROUP_INBOX_PORT, Channel, Endpoint, bind, context
 from rollpacker.runtime.world import RolloutLayout
 from rollpacker.sample import SampleGroup
 from rollpacker.scheduler.handoff import HandoffPolicy
@@ -39,6 +40,61 @@ class RolloutEnded:
 
 def _key(group: Group) -> tuple[int, int]:
     return group.prompt.epoch, group.prompt.uid
+
+
+class GroupInbox:
+    """A rank's end of the stream-trainer feed: prompt groups pushed by the coordinator."""
+
+    def __init__(self):
+        self._channel = Channel(zmq.PULL, "the coordinator (rank 0), feeding this rank's stream trainer,")
+        self.port = bind(self._channel.sock, GROUP_INBOX_PORT)
+
+    def receive(self) -> Any:
+        """The next message on a rank handed to training: a finished prompt group, or the end of the
+        round's rollout (``RolloutEnded``)."""
+        self._channel.ready(None)
+        return self._channel.sock.recv_pyobj()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether a message arrives within ``timeout_s``."""
+        return bool(self._channel.sock.poll(int(timeout_s * 1000)))
+
+    def drain(self) -> list[Any]:
+        """Every message already here, without waiting."""
+        out = []
+        while self._channel.sock.poll(0):
+            out.append(self._channel.sock.recv_pyobj())
+        return out
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GroupFeed:
+    """The coordinator's end: pushes finished groups to ranks that stream-train (they push
+    their acknowledgements back to rank 0's inbox the same way).
+
+    PUSH/PULL keeps rank 0 from waiting on a trainer's forward/backward: a
+    group is queued on the socket and the scheduler goes on at once.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint]):
+        self._endpoints = endpoints
+        self._socks: dict[int, zmq.Socket] = {}
+
+    def send(self, ranks: Iterable[int], group: Any) -> None:
+        """``group`` to each of ``ranks`` (one data-parallel replica); ``RolloutEnded`` ends their round."""
+        for rank in ranks:
+            if rank not in self._socks:
+                sock = context().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(self._endpoints[rank].inbox)
+                self._socks[rank] = sock
+            self._socks[rank].send_pyobj(group)
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
 
 
 class StreamFeed:

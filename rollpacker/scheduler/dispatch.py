@@ -2,8 +2,8 @@
 
 Every engine runs its share of the round as a ``GroupRace`` (group_race.py): an engine in this
 process (rank 0's own, a modeled one) is wrapped in one here, and an engine that another rank
-leads runs its race inside that rank's ``EngineServer``, reached through a ``RemoteRace``
-(coordinator.py) whose server pushes its news to the bell the round's remote races share. The
+leads runs its race inside that rank's ``EngineServer``, reached through an ``EngineClient``
+(``rollpacker/control/``) whose server pushes its news to the bell the round's remote races share. The
 driver places each launched group, all its responses, on the engine with the fewest outstanding
 requests (then outstanding prompt tokens), steps the races it holds, and takes what reached
 the bell; with nothing new it sleeps on the bell until a server pushes or a score ``wake``s it,
@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from rollpacker.scheduler.calls import Call, End, Launch, Retire, Stats, apply
 from rollpacker.rollout.engine import EngineStats, RolloutEngine
 from rollpacker.scheduler.clock import Clock, VirtualClock
 from rollpacker.sample import SampleGroup
@@ -175,8 +176,7 @@ class EngineDriver:
         groups (or parts) go, with what they have, to the engines that stay. Returns (requests
         carried over mid-generation, the tokens they had generated)."""
         handed: list[GroupLaunch] = []
-        for i in indices:
-            states, report = self._races[i].retire()
+        for i, (states, report) in zip(indices, self._each((i, Retire()) for i in indices)):
             self.reports[i] = self._by_group(report)
             self._backlog += [(i, n) for n in report.undelivered]
             self._retired[i] = self._clock.now()
@@ -193,13 +193,13 @@ class EngineDriver:
     def stats(self) -> list[EngineStats]:
         """Each engine's stats; a retired engine reports nothing in use and no capacity."""
         live = [i for i in range(len(self._races)) if i not in self._retired]
-        stats = dict(zip(live, self._each((i, "stats") for i in live)))
+        stats = dict(zip(live, self._each((i, Stats()) for i in live)))
         return [stats.get(i, EngineStats()) for i in range(len(self._races))]
 
     def end(self) -> None:
         """End every race still in the round: what is left is aborted and each reports."""
         live = [i for i in range(len(self._races)) if i not in self._retired]
-        self.reports.update(zip(live, map(self._by_group, self._each((i, "end") for i in live))))
+        self.reports.update(zip(live, map(self._by_group, self._each((i, End()) for i in live))))
         self._ended_at = self._clock.now()
         if self._bell is not None:
             self._bell.watch([])
@@ -257,7 +257,7 @@ class EngineDriver:
 
     def _send(self) -> None:
         outbox, self._outbox = self._outbox, defaultdict(list)
-        self._each((i, "launch", parts) for i, parts in outbox.items())
+        self._each((i, Launch(parts)) for i, parts in outbox.items())
 
     def _complete(self, engine: int, done: GroupDone) -> GroupDone | None:
         """A part is done: its group, when that was its last open part (None: not yet, or reported before)."""
@@ -311,13 +311,13 @@ class EngineDriver:
             time.sleep(self._idle_poll_s)
         return []
 
-    def _each(self, calls: Iterable[tuple]) -> list:
-        """``(engine index, method, *args)`` called on each race, their results in order. Every
-        pipelined (remote) race gets its call before any reply is awaited (local ones are called
-        then); each reply is awaited even when one is an error (a channel left without its reply
-        could not be used again), then the first error is raised."""
-        pending = [self._races[i].begin(method, *args) if i in self._pipelined
-                   else functools.partial(getattr(self._races[i], method), *args) for i, method, *args in calls]
+    def _each(self, calls: Iterable[tuple[int, Call]]) -> list:
+        """Each ``(engine index, call)`` made on its race, their results in order. Every pipelined
+        (remote) race gets its call before any reply is awaited (local ones are called then); each
+        reply is awaited even when one is an error (a channel left without its reply could not be
+        used again), then the first error is raised."""
+        pending = [self._races[i].begin(call) if i in self._pipelined
+                   else functools.partial(apply, self._races[i], call) for i, call in calls]
         results, error = [], None
         for reply in pending:
             try:

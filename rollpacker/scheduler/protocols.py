@@ -57,14 +57,14 @@ class EventSource(Protocol):
 
 
 class RemoteRace(Protocol):
-    """The race of an engine that another rank serves (``coordinator.RemoteRace``): its server
-    pushes the race's news to a bell shared with the round's other remote races, where the driver
-    takes it, and ``begin`` sends a call and returns what waits for its reply, so that a driver
-    reaches N engines in about one round trip, not N."""
+    """The race of an engine that another rank serves (``control.engine_client.EngineClient``): its
+    server pushes the race's news to a bell shared with the round's other remote races, where the
+    driver takes it, and ``begin`` sends a call (``scheduler.calls``) and returns what waits for
+    its reply, so that a driver reaches N engines in about one round trip, not N."""
 
     bell: Any
 
-    def begin(self, method: str, *args: Any) -> Callable[[], Any]: ...
+    def begin(self, call: Any) -> Callable[[], Any]: ...
 
     def check_alive(self) -> None:
         """Raises if the serving rank has gone."""

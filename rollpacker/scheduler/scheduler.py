@@ -32,7 +32,7 @@ from rollpacker.scheduler.modes import make_policy, races
 from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import PromptSource, RewardSink
 from rollpacker.scheduler.queue import LongPromptQueue
-from rollpacker.scheduler.race import GroupCallback, RoundRunner
+from rollpacker.scheduler.round_runner import GroupCallback, RoundRunner
 from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult
 
 _COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred", "routed")

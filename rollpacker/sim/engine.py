@@ -187,7 +187,6 @@ class SimEngine(RolloutEngine):
         self.t += seconds
         self.prefill_pending = 0
         self._stats.tokens_generated += steps * batch
-        self._stats.busy_seconds += seconds
 
     def _finish_due(self) -> None:
         heap = self._finish_heap

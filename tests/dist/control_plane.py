@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.checkpoint import CheckpointManager
-from rollpacker.coordinator import exchange_endpoints
+from rollpacker.control.transport import exchange_endpoints
 from rollpacker.metrics import Timeline
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.qwen_torch import iter_safetensors
