@@ -377,7 +377,7 @@ def control(r: dict[str, Any]) -> str:
              f"rounds per size{_warmup(s)} replayed at {s['speed']:g}× over {s['hosts']} endpoint host processes; "
              f"{provenance(r)}:", "", *head, *rows(r)]
     if "before" in r:
-        lines += ["", f"Before the fix ({r['before']['note']}; {provenance(r['before'])}):", "", *head,
+        lines += ["", f"Before ({r['before']['note']}; {provenance(r['before'])}):", "", *head,
                   *rows(r["before"])]
     lines += ["", "Rank 0 CPU: this process's (scheduler, channel, reward dispatch and their threads), the replay's "
                   "plus its idle wake-ups over the rest of the modeled round at real speed. The round as replayed "
