@@ -89,15 +89,15 @@ def train_trl(args, cfg, seed: int, out: Path) -> dict:
         wall = round(_run(cmd, out / f"trl-s{seed}.log"), 1)
     trl = json.loads(result.read_text())
     return {"seed": seed, "command": shlex.join(cmd), "wall_s": wall,
-            "train_reward": trl["reward_mean"], "lr": trl["lr"], "trl_version": trl["trl_version"],
+            "train_seconds": round(sum(trl["seconds_per_step"]), 1), "train_reward": trl["reward_mean"], "lr": trl["lr"], "trl_version": trl["trl_version"],
             "eval": held_out(args.config, saved, out, f"eval-trl-s{seed}", args.reuse)}
 
 
-def rollpacker_same_eval(args, rollpacker: dict, out: Path) -> dict[str, dict[int, dict]]:
-    """Each RollPacker run's last checkpoint (its HF export, in ``--rollpacker-runs``) through the same
-    step-0 eval as TRL's policies: the same eval seeds on both sides."""
+def rollpacker_same_eval(args, rollpacker: dict, out: Path, seeds: list[int]) -> dict[str, dict[int, dict]]:
+    """Each RollPacker run of ``seeds``: its last checkpoint (the HF export, in ``--rollpacker-runs``)
+    through the same step-0 eval as TRL's policies, the same eval seeds on both sides."""
     found: dict[str, dict[int, dict]] = {}
-    for r in rollpacker["runs"]:
+    for r in (r for r in rollpacker["runs"] if r["seed"] in seeds):
         name = f"{r['mode']}-s{r['seed']}"
         hf = Path(args.rollpacker_runs) / name / "checkpoints" / f"step_{r['step_last']:08d}" / "hf"
         if not (hf / "config.json").is_file():
@@ -140,15 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     start = held_out(args.config, Path(cfg.model.path), out, "eval-start", args.reuse)
     print(f"start: greedy {start['greedy']:.3f}, t1 {start['t1']:.3f}", flush=True)
-    runs = []
-    for seed in (int(s) for s in args.seeds.split(",") if s):
+    runs, seeds = [], [int(s) for s in args.seeds.split(",") if s]
+    for seed in seeds:
         runs.append(train_trl(args, cfg, seed, out))
         e = runs[-1]["eval"]
+        wall = runs[-1]["wall_s"]
         print(f"TRL seed {seed}: greedy {start['greedy']:.3f} -> {e['greedy']:.3f}, "
               f"t1 {start['t1']:.3f} -> {e['t1']:.3f} ({e['t1'] - start['t1']:+.3f}), "
-              f"{runs[-1]['wall_s'] or 0:.0f} s training", flush=True)
+              + ("trained earlier (--reuse)" if wall is None else f"{wall:.0f} s training"), flush=True)
     rollpacker = json.loads(Path(args.rollpacker).read_text()) if Path(args.rollpacker).is_file() else None
-    same_eval = rollpacker_same_eval(args, rollpacker, out) if rollpacker and args.rollpacker_runs else {}
+    same_eval = rollpacker_same_eval(args, rollpacker, out, seeds) if rollpacker and args.rollpacker_runs else {}
     summary = compare(start, runs, rollpacker, same_eval)
     result = {
         "what": "held-out pass@1 after TRL GRPOTrainer with the built-in example's recipe, scored by the "
