@@ -254,9 +254,11 @@ def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
     answered = [0] * count
     rounds_left = [1 + args.rounds] * count  # the idle probe's round, then every round of the trace (a host's --rounds)
     live = count
-    while live:
+    parent = os.getppid()
+    # a host's parent is rank 0: killed (a test's timeout), it must not leave this process spinning
+    while live and os.getppid() == parent:
         wake = [t for t in (e.next_wall_time() for e in hosted) if t is not None]
-        timeout = None if not wake else max(0, int((min(wake) - time.monotonic()) * 1000) + 1)
+        timeout = 1000 if not wake else min(1000, max(0, int((min(wake) - time.monotonic()) * 1000) + 1))
         events = dict(poller.poll(timeout))
         if shared.fd in events:
             shared.drain()
