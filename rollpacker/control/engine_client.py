@@ -8,16 +8,14 @@ them), where ``EngineDriver`` takes it.
 """
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 import zmq
 
 from rollpacker.scheduler.calls import Call, Launch, Reply, RoundContext, stop_reason
-from rollpacker.control.transport import BELL_PORT, Channel, Endpoint, bind, context
+from rollpacker.control.transport import BELL_PORT, Channel, Endpoint, bind, context, node_address
 from rollpacker.rollout.engine import RequestError
 from rollpacker.scheduler.clock import Clock, RealClock
 from rollpacker.scheduler.group_race import RaceNews
@@ -70,7 +68,7 @@ class Bell:
         """This bell as the server at ``endpoint`` reaches it: loopback on this host, else by this
         node's address as ``exchange_endpoints`` publishes it."""
         host = urlparse(endpoint.address).hostname
-        here = "127.0.0.1" if host == "127.0.0.1" else os.environ.get("ROLLPACKER_NODE_ADDR") or socket.gethostname()
+        here = "127.0.0.1" if host == "127.0.0.1" else node_address()
         return f"tcp://{here}:{self.port}"
 
     def wake(self) -> None:
