@@ -59,6 +59,7 @@ import zmq
 from bench.results import REPO, write_results
 from rollpacker.control.engine_client import Bell, EngineClient
 from rollpacker.control.engine_server import EngineServer
+from rollpacker.control.fleet import RemoteFleet
 from rollpacker.control.transport import Endpoint
 from rollpacker.examples.task import TASK_NAME
 from rollpacker.examples.tokenizer import build_tokenizer
@@ -68,7 +69,7 @@ from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, Scheduler, VirtualClock
+from rollpacker.scheduler import ListPromptSource, LocalFleet, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
@@ -215,15 +216,42 @@ class ReplayEngine(RolloutEngine):
         os.close(self._fd)
 
 
-class _Marked:
-    """One server's wake-up in a host that multiplexes many: marks the server, wakes the host."""
+class MultiplexedServer(EngineServer):
+    """One of the many engine servers an endpoint host runs on one poller (the program's each run
+    their own ``serve`` loop): a score marks this server and wakes the host, which then steps it."""
 
     def __init__(self, shared: Wakeup, index: int, marked: set[int]) -> None:
-        self.fd, self._shared, self._index, self._marked = shared.fd, shared, index, marked
+        super().__init__()
+        self._shared, self._index, self._marked = shared, index, marked
 
-    def wake(self) -> None:
+    def bind(self, engine: RolloutEngine, reward: Any) -> None:
+        self._engine, self._reward = engine, reward
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._channel.sock
+
+    def answer(self) -> bool:
+        """Answer the call waiting on ``socket``; whether it ended the server's round."""
+        return self._answer() is not None
+
+    def advance(self) -> None:
+        self._advance()
+
+    def _wake(self) -> None:
         self._marked.add(self._index)
         self._shared.wake()
+
+
+class CountingBell(Bell):
+    """Rank 0's bell, counting the pushes it takes."""
+
+    received = 0
+
+    def _receive(self) -> list[zmq.Frame] | None:
+        message = super()._receive()
+        self.received += message is not None
+        return message
 
 
 def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
@@ -238,7 +266,7 @@ def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
     node0 = RemoteRewardSink(args.node0_reward) if any(in_node0) else None
     sinks = [node0 if mine else PoolRewardSink(pool) for mine in in_node0]
     shared, marked = Wakeup(), set()
-    servers = [EngineServer(wakeup=_Marked(shared, i, marked)) for i in range(count)]
+    servers = [MultiplexedServer(shared, i, marked) for i in range(count)]
     hosted = [replay.engine(i) for i in ids]
     for server, engine, sink in zip(servers, hosted, sinks):
         server.bind(engine, sink)
@@ -274,7 +302,7 @@ def serve(count: int, first_id: int, args: argparse.Namespace) -> None:
                 continue
             i = index[sock]
             servers[i].advance()
-            ended = servers[i].answer() is not None
+            ended = servers[i].answer()
             answered[i] += 1
             if ended:
                 rounds_left[i] -= 1
@@ -354,7 +382,7 @@ class CountingRace(EngineClient):
 def idle_cpu_per_s(engines: list, sink: PoolRewardSink, seconds: float) -> float:
     """Rank 0's CPU per wall second while it waits on one group that runs on its own engine (the part
     of its cost a compressed replay does not show)."""
-    driver = EngineDriver(engines, ScaledClock(1.0), reward=sink)
+    driver = EngineDriver(RemoteFleet(engines, engines[-1].bell, ScaledClock(1.0), sink))
     prompt = Prompt(uid=-1, input_ids=[TOKENS[0]] * 16, data_source=TASK_NAME, ground_truth="7")
     driver.launch([GroupLaunch(0, prompt, 1, 1, IDLE, IDLE, SamplingParams(max_new_tokens=LIMIT))])
     cpu, wall = time.process_time(), time.monotonic()
@@ -374,7 +402,7 @@ def modeled_rounds(engines: int, rounds: int, seed: int) -> list[float]:
     for _ in range(rounds):
         plan = scheduler.plan_round()
         sims = [SimEngine(perf, clock, oracle, engine_id=i) for i in range(engines)]
-        out.append(scheduler.run_round(plan, sims, sink, clock=clock).stats.rollout_seconds)
+        out.append(scheduler.run_round(plan, LocalFleet(sims, clock, sink)).stats.rollout_seconds)
     return out
 
 
@@ -415,7 +443,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     modeled = modeled_rounds(engines, total, args.seed)
     scheduler = scheduler_for(engines, trace_for(engines, total, args.seed))
     replay = Replay(engines, total, args.speed, args.seed)  # rank 0's own engine
-    bell, races, hosts = Bell(), [], None
+    bell, races, hosts = CountingBell(), [], None
     # node 0's reward pool, in rank 0's process: its own engine scores there, node 0's others through the service
     with RewardPool(RewardConfig(num_workers=args.reward_workers), tokenizer=build_tokenizer()) as pool:
         service, sink = RewardService(pool), PoolRewardSink(pool)
@@ -440,7 +468,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 if profiler and index >= args.warmup:
                     profiler.enable()
                 own = replay.engine(0, ring=True)  # rank 0's own engine, raced in this process, a fresh one a round
-                result = scheduler.run_round(plan, [own, *races], sink, clock=clock)  # its end stops the servers
+                result = scheduler.run_round(plan, RemoteFleet([own, *races], bell, clock, sink))  # its end stops the servers
                 own.close()
                 if profiler:
                     profiler.disable()

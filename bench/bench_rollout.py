@@ -51,7 +51,7 @@ from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.scheduler import RealClock, RoundKind, RoundResult, Scheduler
+from rollpacker.scheduler import LocalFleet, RealClock, RoundKind, RoundResult, Scheduler
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.round import over_launch
 
@@ -107,7 +107,7 @@ def reward_overlap(result: RoundResult) -> tuple[float, float]:
 
 
 def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: PoolRewardSink) -> RoundResult:
-    result = scheduler.run_round(scheduler.plan_round(), [engine], sink, clock=RealClock())
+    result = scheduler.run_round(scheduler.plan_round(), LocalFleet([engine], RealClock(), sink))
     s = result.stats
     busy, exposed = reward_overlap(result)
     result.reward_busy, result.reward_exposed = busy, exposed

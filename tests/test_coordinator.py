@@ -22,6 +22,7 @@ import pytest
 
 from rollpacker.control.engine_client import Bell, EngineClient
 from rollpacker.control.engine_server import EngineServer
+from rollpacker.control.fleet import RemoteFleet
 from rollpacker.scheduler.calls import End, Retire, Stats
 from rollpacker.control.transport import Endpoint, PeerLostError
 from rollpacker.runtime.streaming import GroupInbox
@@ -167,6 +168,17 @@ class Rings(Never):
     def close(self) -> None:
         os.close(self.fd)
         os.close(self._ring)
+
+
+class CountingBell(Bell):
+    """A bell that counts the pushes it takes, stale ones included."""
+
+    received = 0
+
+    def _receive(self) -> list | None:
+        message = super()._receive()
+        self.received += message is not None
+        return message
 
 
 def raised_within(seconds: float, call: Callable[[], object]) -> BaseException:
@@ -316,7 +328,7 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
     bell = Bell()
     with served("Gate") as gate, served("Refuses") as refuses:
         proxies = [remote(gate.port, 1, timeout_s=60, bell=bell), remote(refuses.port, 2, timeout_s=60, bell=bell)]
-        driver = EngineDriver(proxies, RealClock())
+        driver = EngineDriver(RemoteFleet(proxies, bell, RealClock(), None))
         groups = [group(0, "a"), group(1, "b")]  # the least loaded engine takes the next group: one each
         outcome: list = []
         launch = threading.Thread(target=lambda: outcome.append(_raised(lambda: driver.launch(groups))))
@@ -365,7 +377,7 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         while True:
             server.serve(FinishesAtOnce(), None)
     """)
-    bell = Bell()
+    bell = CountingBell()
     proxy = remote(int(server.stdout.readline()), 0, timeout_s=60, bell=bell)
 
     def launch(driver: EngineDriver, key: int, prefix: str) -> None:  # finished at once: wait for its push
@@ -379,12 +391,12 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         return [(d.key, list(d.group.samples[0].response_ids)) for d in got]
 
     try:
-        first = EngineDriver([proxy], RealClock())
+        first = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
         launch(first, 0, "a")
         in_round = taken(first)
         launch(first, 1, "c")  # the round ends with c's push unread
         first.end()  # the server's loop ends with it; it serves the next round with a new engine
-        second = EngineDriver([proxy], RealClock())  # the next round: c launched again, under key 1 again
+        second = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))  # the next round: c launched again, under key 1 again
         launch(second, 1, "c")
         next_round = taken(second)
         launch(second, 2, "e")  # complete and pushed: not handed back
@@ -419,7 +431,7 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
     serving.start()
     proxy = remote(server.port, 0, timeout_s=60, bell=bell)
     try:
-        driver = EngineDriver([proxy], RealClock())
+        driver = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
         driver.launch([group(0, "r", n=2)])
         time.sleep(0.5)
         polls_while_generating = engine.polls
@@ -448,15 +460,16 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
     takes what came first without polling. A wake from another thread (the reward pool's, when a
     score comes) ends that wait at once, and a wake that came before the poll waited makes that
     wait return at once."""
-    from rollpacker.scheduler import dispatch
+    from rollpacker.control import fleet
     from rollpacker.scheduler.clock import RealClock
+    from rollpacker.scheduler.dispatch import EngineDriver
 
-    monkeypatch.setattr(dispatch, "_LIVENESS_AFTER_S", 3600.0)
+    monkeypatch.setattr(fleet, "_LIVENESS_AFTER_S", 3600.0)
     with served("Never") as server:
         bell = Bell()
         proxy = remote(server.port, 1, timeout_s=60, bell=bell)
         try:
-            driver = dispatch.EngineDriver([proxy], RealClock())
+            driver = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
             driver.launch([group(0, "r")])
             waits: list[float] = []
             waiting = threading.Event()

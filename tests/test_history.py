@@ -16,7 +16,7 @@ from rollpacker.config import load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
+from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.history import BYTES_PER_PROMPT, Outcome, PromptHistory
 from rollpacker.sim import H800, ModelSpec, PerfModel, SimEngine, SimRewardSink
@@ -62,7 +62,7 @@ class Run:
         plan = self.scheduler.plan_round()
         perf = PerfModel(TINY, H800, plan.tp)
         engines = [SimEngine(perf, self.clock, self.oracle, engine_id=i) for i in range(self.engines // plan.tp)]
-        result = self.scheduler.run_round(plan, engines, self.sink, clock=self.clock)
+        result = self.scheduler.run_round(plan, LocalFleet(engines, self.clock, self.sink))
         self.rounds.append((plan, result))
         return plan, result
 

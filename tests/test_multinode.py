@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.gpu_rollout_checks import CPU_SYNC_BOUND
+from tests.bounds import CPU_SYNC_BOUND
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError, to_dict
 from rollpacker.control.transport import SILENT_PEER_S

@@ -21,7 +21,7 @@ from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import FINISH_ABORT, GenerationRequest, SamplingParams
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, RoundKind, Scheduler, VirtualClock
+from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
@@ -100,7 +100,7 @@ class Harness:
         self.last_engines = [self.engine_cls(perf, self.clock, self.oracle, engine_id=i,
                                              kv_capacity_tokens=self.kv_capacity and self.kv_capacity * plan.tp)
                              for i in range(self.engines_n // plan.tp)]
-        result = self.scheduler.run_round(plan, self.last_engines, self.sink, clock=self.clock,
+        result = self.scheduler.run_round(plan, LocalFleet(self.last_engines, self.clock, self.sink),
                                           on_group_done=on_group_done, handoff=handoff)
         return plan, result
 
@@ -335,7 +335,7 @@ def test_dispatch_races_a_group_on_one_engine_and_spreads_one_that_does_not_race
     clock = VirtualClock()
     perf = PerfModel(TINY, H800, 1)
     engines = [RecordingEngine(perf, clock, lambda req: 10, engine_id=i) for i in range(3)]
-    driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
+    driver = EngineDriver(LocalFleet(engines, clock, SimRewardSink(clock)))
     params = SamplingParams(max_new_tokens=64)
     sizes = [4, 4, 4, 2, 2, 2]  # racing: r0 = n - 1
     groups = [GroupLaunch(k, Prompt(uid=k, input_ids=[1] * 8, data_source="t"), n, n - 1, f"p{k}e0r", f"{k}:", params)
@@ -360,7 +360,7 @@ def test_dispatch_races_a_group_on_one_engine_and_spreads_one_that_does_not_race
                   + driver.reports[2].spans[6]) == [0, 1, 2]  # the trace finds the spread group's requests
     # a limit stops placing at the first group that does not fit
     more = [GroupLaunch(10 + k, g.prompt, g.n, g.r0, f"q{k}r", g.seed_prefix, params) for k, g in enumerate(groups)]
-    driver = EngineDriver(engines, clock, reward=SimRewardSink(clock))
+    driver = EngineDriver(LocalFleet(engines, clock, SimRewardSink(clock)))
     assert driver.launch(more, limit=5) == 3 and driver.outstanding == 12
 
 
@@ -373,7 +373,7 @@ def test_two_phase_api_guards():
         h.scheduler.plan_round()
     perf = PerfModel(TINY, H800, 1)
     with pytest.raises(ValueError, match="2 engines; got 1"):
-        h.scheduler.run_round(plan, [SimEngine(perf, h.clock, h.oracle)], h.sink, clock=h.clock)
+        h.scheduler.run_round(plan, LocalFleet([SimEngine(perf, h.clock, h.oracle)], h.clock, h.sink))
 
 
 def test_long_round_hands_engines_to_training_and_migrates_their_requests():
@@ -428,7 +428,7 @@ def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns
     lengths = lambda r: 64 if parse_request_id(r.request_id)[0] < 5 else 2000  # noqa: E731
     engines = [SimEngine(PerfModel(TINY, H800, 1), clock, lengths, engine_id=i) for i in range(2)]
     sink = SimRewardSink(clock)
-    driver, batches, released = EngineDriver(engines, clock, reward=sink, progress=True), [], []
+    driver, batches, released = EngineDriver(LocalFleet(engines, clock, sink), progress=True), [], []
     poll = driver.poll
 
     def counted():
@@ -438,8 +438,7 @@ def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns
 
     driver.poll = counted
     trigger = HandoffTrigger(HandoffPolicy(candidates=(1,), on_release=released.append), 32, 2)
-    result = RoundRunner(plan, r0=4, driver=driver, reward=sink, clock=clock,
-                         sampling=SamplingParams(max_new_tokens=4096), async_reward=True, keeps=lambda g: True,
+    result = RoundRunner(plan, r0=4, driver=driver, sampling=SamplingParams(max_new_tokens=4096), async_reward=True, keeps=lambda g: True,
                          replacement=lambda: None, on_group_done=None, handoff=trigger).run()
     print(f"responses generated per poll: {[n for n in batches if n]}; "
           f"handed off at {result.stats.handoff_fraction:.2f}")

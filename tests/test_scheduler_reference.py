@@ -14,7 +14,7 @@ import torch
 from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, RealClock, RoundKind, Scheduler
+from rollpacker.scheduler import ListPromptSource, LocalFleet, RealClock, RoundKind, Scheduler
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.sim.reward import SimScore
 from rollpacker.testing import make_random_qwen2
@@ -46,7 +46,7 @@ def test_real_time_rounds_over_two_reference_engines(model_dir):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for expected in [RoundKind.SHORT] * 4 + [RoundKind.LONG]:
             plan = scheduler.plan_round()
-            result = scheduler.run_round(plan, engines, ThreadSink(pool), clock=RealClock())
+            result = scheduler.run_round(plan, LocalFleet(engines, RealClock(), ThreadSink(pool)))
             assert plan.kind is expected and len(result.groups) == 4
             for group in result.groups:
                 assert len(group) == 2 and all(s.finish_reason in ("stop", "length") for s in group)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import zipfile
+import functools
+import pickle
 from functools import cached_property, lru_cache
 from types import SimpleNamespace
 from pathlib import Path
@@ -24,8 +26,9 @@ from rollpacker.rollout.sglang_args import engine_ports, server_args
 from rollpacker.rollout.sglang_api import (AGENT_STORE_ENV, SESSION_API, SGLANG_ENGINE_ATTRIBUTES, SGLANG_ENV,
                                            SGLANG_LOAD_FIELDS, SGLANG_OUTPUT_KEYS, SGLANG_SAMPLING_KEYS,
                                            SUPPORTED_SGLANG, SURFACES, UnsupportedSGLangError, WeightSyncError,
-                                           installed_surface, sampling_params, surface_for)
+                                           SGLANG_PIN, check_call, installed_surface, sampling_params, surface_for)
 from rollpacker.rollout.sglang_backend import SGLangEngine, host_env, weight_buckets
+from rollpacker.rollout.sglang_host import SGLangDriver
 
 WHEEL_CACHE = Path.home() / ".cache" / "rollpacker" / "wheels"
 HOLD = 10_000  # a request with this max_new_tokens never finishes in the double unless aborted
@@ -151,13 +154,38 @@ class NoSessionEngine(RecordingEngine):
         return True, "Success"
 
 
+class LocalHost:
+    """An SGLang engine's driver in this process, over a double of ``sglang.Engine`` that stands for
+    sglang ``version``: our translation logic without the real engine (which always gets a process
+    of its own)."""
+
+    def __init__(self, engine_cls, kwargs, cfg, engine_id, vocab_size, version):
+        surface = surface_for(version)
+        check_call(surface, "Engine.__init__", kwargs)
+        self.driver = SGLangDriver(engine_cls(**kwargs), cfg, engine_id, surface, vocab_size)
+        self.kv_capacity, self.pid, self.sglang_version = self.driver.kv_capacity, os.getpid(), version
+
+    def call(self, method, *args, **kwargs):
+        if method == "push":
+            args = (pickle.loads(args[0]), *args[1:])
+        return getattr(self.driver, method)(*args, **kwargs)
+
+    def close(self):
+        pass
+
+
+def in_process(engine_cls, version=SGLANG_PIN):
+    """``SGLangEngine``'s ``host``: the driver in this process, over ``engine_cls``."""
+    return functools.partial(LocalHost, engine_cls, version=version)
+
+
 def _engine(**cfg):
     return make_engine(RolloutConfig(backend="sglang", **cfg), "/models/qwen", engine_id=3, device="cuda:2",
-                       sglang_engine_cls=RecordingEngine)
+                       sglang_host=in_process(RecordingEngine))
 
 
 def double(engine) -> RecordingEngine:
-    """The double behind an engine built with ``sglang_engine_cls`` (its driver runs in this process)."""
+    """The double behind an engine built with ``in_process`` (its driver runs in this process)."""
     return engine._host.driver.engine
 
 
@@ -180,7 +208,7 @@ def test_server_args_derive_ports_and_gpu_from_the_rank(monkeypatch):
     assert double(engine).kwargs["base_gpu_id"] == 2  # from device="cuda:2"
     monkeypatch.setenv("LOCAL_RANK", "3")
     by_local_rank = make_engine(RolloutConfig(backend="sglang"), "/m", device="cuda",
-                                sglang_engine_cls=RecordingEngine)
+                                sglang_host=in_process(RecordingEngine))
     assert double(by_local_rank).kwargs["base_gpu_id"] == 3
     assert double(by_local_rank).kwargs["port"] == engine_ports(30000, 3, 1)[0]
 
@@ -199,7 +227,7 @@ def test_server_args_on_cpu_are_sglangs_plain_torch_path():
         == "bfloat16"
     gpu = server_args("/m", cfg, tp_size=1, local_rank=0, gpu_id=0, engine_id=0)
     assert "device" not in gpu and "max_total_tokens" not in gpu and "dtype" not in gpu
-    on_cpu = make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu", sglang_engine_cls=RecordingEngine)
+    on_cpu = make_engine(RolloutConfig(backend="sglang"), "/m", device="cpu", sglang_host=in_process(RecordingEngine))
     assert double(on_cpu).kwargs["device"] == "cpu" and "base_gpu_id" not in double(on_cpu).kwargs
     with pytest.raises(ValueError, match="cuda or cpu"):
         server_args("/m", cfg, tp_size=1, local_rank=0, engine_id=0, device="meta")
@@ -396,7 +424,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name():
     """With the checkpoint's config.json at hand, prompt or stop ids outside its vocab_size (297 for the
     shipped policy) never reach sglang, whose embedding lookup would fail for the whole batch."""
     policy = Path(__file__).resolve().parents[1] / "assets" / "policy"
-    engine = make_engine(RolloutConfig(backend="sglang"), policy, device="cpu", sglang_engine_cls=RecordingEngine)
+    engine = make_engine(RolloutConfig(backend="sglang"), policy, device="cpu", sglang_host=in_process(RecordingEngine))
     outside = r"'big': token ids \[297, -1, 300\] outside the model's vocabulary \[0, 297\)"
     with pytest.raises(RequestError, match=outside):
         engine.submit([GenerationRequest("big", [3, 297, -1], SamplingParams(max_new_tokens=2, stop_token_ids=(300,))),
@@ -420,8 +448,7 @@ def test_an_unsupported_sglang_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(UnsupportedSGLangError, match=f"sglang 0.5.20 is installed.*supports sglang {names} only"):
         surface_for("0.5.20")
     with pytest.raises(UnsupportedSGLangError, match="0.5.22"):
-        SGLangEngine("/m", RolloutConfig(backend="sglang"), device="cpu", engine_cls=RecordingEngine,
-                     double_version="0.5.22")
+        SGLangEngine("/m", RolloutConfig(backend="sglang"), device="cpu", host=in_process(RecordingEngine, "0.5.22"))
     record = tmp_path / "sglang-0.5.16.dist-info"
     record.mkdir()
     (record / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.16\n")
@@ -436,7 +463,7 @@ def test_a_release_without_a_weight_session_pushes_at_once_and_flushes_on_an_idl
     """sglang 0.5.17: no begin/end_weight_update (the surface keeps them out of the API), every push
     still checked; the last push flushes the cache, and waits for held requests to come back first."""
     engine = SGLangEngine("/m", RolloutConfig(backend="sglang", weight_bucket_mb=1, drain_timeout_s=5.0),
-                          device="cpu", engine_cls=NoSessionEngine, double_version="0.5.17")
+                          device="cpu", host=in_process(NoSessionEngine, "0.5.17"))
     assert engine.sglang_version == "0.5.17"
     engine.submit([GenerationRequest(f"held{i}", [1], SamplingParams(max_new_tokens=HOLD)) for i in range(2)])
     engine.abort_all()  # the double holds them for one more step, as sglang does

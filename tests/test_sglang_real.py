@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_rollout_checks import CPU_SYNC_BOUND
+from tests.bounds import CPU_SYNC_BOUND
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.testing import kill_group, run_in_session
 from tests.sglang_cpu.env import REPO, engine_env

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gpu_rollout_checks import CPU_SYNC_BOUND
+from tests.bounds import CPU_SYNC_BOUND
 from rollpacker.rollout.sglang_args import free_base_port
 from rollpacker.testing import run_torchrun
 from tests.sglang_cpu.env import REPO

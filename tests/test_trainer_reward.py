@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 
-from bench.gpu_rollout_checks import CPU_SYNC_BOUND
+from tests.bounds import CPU_SYNC_BOUND
 from rollpacker.testing import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"

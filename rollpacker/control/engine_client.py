@@ -4,7 +4,7 @@ An ``EngineClient`` sends typed calls (``scheduler/calls.py``) to the ``EngineSe
 that another rank leads; ``begin`` sends one and returns what waits for its reply, so that the
 driver reaches N engines in about one round trip, not N. What the servers' races have to tell
 comes the other way, pushed to the round's ``Bell`` (PUSH/PULL, one socket on rank 0 for all of
-them), where ``EngineDriver`` takes it.
+them), where ``control.fleet.RemoteFleet`` takes it.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class Bell:
         # prompt's request ids come back in a later round, and a stale response would pass for its own
         self.round = 0
         self.progress = False  # this round's servers also push each response generated
-        self.received = 0  # pushes taken, all rounds
         self._wakeup = Wakeup()
         self.woken = False  # the last ``collect`` was woken
         self._poller = zmq.Poller()
@@ -92,15 +91,19 @@ class Bell:
     def _take(self) -> list[tuple[int, RaceNews]]:
         out: list[tuple[int, RaceNews]] = []
         current = self.tag
-        while True:
-            try:
-                tag, payload = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return out
-            self.received += 1
+        while (message := self._receive()) is not None:
+            tag, payload = message
             if tag.bytes == current:
                 index, news = pickle.loads(payload.buffer)
                 out += [(index, n) for n in news]
+        return out
+
+    def _receive(self) -> list[zmq.Frame] | None:
+        """The next push, if one is here."""
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -109,7 +112,7 @@ class Bell:
 
 class EngineClient:
     """Rank 0's handle on the race that another rank's ``EngineServer`` runs for its engine
-    (``scheduler.protocols.RemoteRace``); its news comes through ``bell``."""
+    (reached through ``control.fleet.RemoteFleet``); its news comes through ``bell``."""
 
     def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell | None, *, clock: Clock = RealClock(),
                  timeout_s: float = 600.0):

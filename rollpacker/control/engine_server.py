@@ -45,15 +45,13 @@ class EngineServer:
     tell is pushed to the coordinator's bell.
 
     The socket is bound once per rank; each rollout round calls ``serve`` with the engine this
-    rank leads in that round's layout. ``wakeup``: what a score wakes (one may serve many
-    servers multiplexed in one process); by default the server's own.
+    rank leads in that round's layout.
     """
 
-    def __init__(self, wakeup: Wakeup | None = None):
+    def __init__(self):
         self._channel = Channel(zmq.REP, "the coordinator (rank 0)")
         self.port = bind(self._channel.sock, ENGINE_SERVER_PORT)
-        self._own_wakeup = wakeup is None
-        self.wakeup = Wakeup() if wakeup is None else wakeup
+        self.wakeup = Wakeup()  # what a score wakes
         self._channel.also_wake_on(self.wakeup.fd)
         self._engine: RolloutEngine | None = None
         self._reward: RewardSink | None = None
@@ -70,7 +68,7 @@ class EngineServer:
         ``ready_fd``) a completion comes; an engine that must be polled is stepped while it
         generates, each step waiting up to ``wait_s`` for a completion (a call waits that long at
         most)."""
-        self.bind(engine, reward)
+        self._engine, self._reward = engine, reward
         ready = engine.ready_fd()
         if ready is not None:
             self._channel.also_wake_on(ready)
@@ -79,24 +77,15 @@ class EngineServer:
                 polled = ready is None and self._race is not None and self._race.generating
                 # with news the bell's full socket refused, try again soon
                 timeout = 0 if polled else 50 if self._backlog else None
-                if self._channel.ready(timeout) and (reason := self.answer()) is not None:
+                if self._channel.ready(timeout) and (reason := self._answer()) is not None:
                     return reason
-                self.advance(wait_s if polled else 0.0)
+                self._advance(wait_s if polled else 0.0)
         finally:
             if ready is not None:
                 self._channel.stop_waking_on(ready)
 
-    def bind(self, engine: RolloutEngine, reward: RewardSink) -> None:
-        """The engine (and its reward sink) the next calls are about."""
-        self._engine, self._reward = engine, reward
-
-    @property
-    def socket(self) -> zmq.Socket:
-        """The coordinator's calls arrive here (one process may multiplex many servers)."""
-        return self._channel.sock
-
-    def answer(self) -> StopReason | None:
-        """Answer the call waiting on ``socket``; why serving ends, if it does."""
+    def _answer(self) -> StopReason | None:
+        """Answer the call waiting on the socket; why serving ends, if it does."""
         call: Call = self._channel.sock.recv_pyobj()
         reply = self._handle(call)
         self._channel.sock.send_pyobj(reply)
@@ -110,11 +99,10 @@ class EngineServer:
         self._push()
         return None
 
-    def advance(self, wait_s: float = 0.0) -> None:
+    def _advance(self, wait_s: float = 0.0) -> None:
         """Step the race (the engine may wait up to ``wait_s`` for a completion); what it has to
         tell goes to the coordinator's bell."""
-        if self._own_wakeup:
-            self.wakeup.drain()  # before the race looks at the scores its wakers handed over
+        self.wakeup.drain()  # before the race looks at the scores its wakers handed over
         if self._race is not None:
             news = self._race.step(wait_s)
             if news.done or (self._round.progress and news.finished):
@@ -142,14 +130,16 @@ class EngineServer:
             self._bell.connect(round_.inbox_address)
             self._bell_address = round_.inbox_address
         self._round, self._backlog = round_, []
-        self._race = GroupRace(self._engine, self._reward, _AlignedClock(round_.coordinator_now),
-                               wake=self.wakeup.wake)
+        self._race = GroupRace(self._engine, self._reward, _AlignedClock(round_.coordinator_now), wake=self._wake)
+
+    def _wake(self) -> None:
+        """A score came for the race (from the reward pool's thread)."""
+        self.wakeup.wake()
 
     def close(self) -> None:
         if self._bell is not None:
             self._bell.close(linger=0)
-        if self._own_wakeup:
-            self.wakeup.close()
+        self.wakeup.close()
         self._channel.close()
 
     def _handle(self, call: Call) -> Reply:

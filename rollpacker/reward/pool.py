@@ -45,7 +45,7 @@ from rollpacker.reward.sandbox import SandboxLimits
 from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
 from rollpacker.reward.scorers.code import parse_tests
-from rollpacker.reward.worker import PROGRAM, READY, Job, Outcome, WorkerSettings, worker_main
+from rollpacker.reward.worker import READY, Job, Outcome, WorkerSettings, worker_main
 from rollpacker.wakeup import Wakeup
 
 if TYPE_CHECKING:

@@ -12,11 +12,11 @@ if TYPE_CHECKING:
 
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.ProcessGroup | None = None,
-                engine_id: int = 0, device: str = "cpu", sglang_engine_cls: Callable | None = None) -> RolloutEngine:
+                engine_id: int = 0, device: str = "cpu", sglang_host: Callable | None = None) -> RolloutEngine:
     """Build the engine ``cfg.backend`` names, on every rank of ``group`` (None: this rank alone).
 
-    ``sglang_engine_cls`` replaces ``sglang.Engine`` (tests inject a recording double);
-    sglang itself is imported only when that backend is selected and no double is given.
+    ``sglang_host``: what runs the SGLang engine's driver (``SGLangEngine``'s ``host``); sglang
+    itself is imported only by the engine's host process.
     """
     if cfg.backend == "reference":
         from rollpacker.rollout.reference import ReferenceEngine
@@ -24,7 +24,7 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.Proces
     if cfg.backend == "sglang":
         from rollpacker.rollout.sglang_backend import SGLangEngine
         return SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device,
-                            engine_cls=sglang_engine_cls)
+                            host=sglang_host)
     raise ValueError(f"unknown rollout backend {cfg.backend!r}; choose 'reference' or 'sglang'")
 
 

@@ -74,9 +74,9 @@ import torch.distributed as dist
 import rollpacker
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, Completion, EngineStats, GenerationRequest, RolloutEngine
-from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV, SGLANG_PIN, check_call, surface_for
+from rollpacker.rollout.sglang_api import AGENT_STORE_ENV, SGLANG_ENV
 from rollpacker.rollout.sglang_args import cpu_engine_env, gpu_engine_env, server_args
-from rollpacker.rollout.sglang_host import DOORBELL_ENV, KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV, SGLangDriver
+from rollpacker.rollout.sglang_host import DOORBELL_ENV, KEY_ENV, LOG_LEVEL_ENV, PARENT_ENV
 
 START_TIMEOUT_S = 900.0  # an engine host's start: sglang loads the model and sizes its KV pool
 CONNECT_TIMEOUT_S = 120.0  # the host's Python start-up, up to its listening socket
@@ -233,39 +233,18 @@ class _ProcessHost:
                                f"(exit code {code}) during {method}; its output above says why")
 
 
-class _LocalHost:
-    """The driver in this process, over an injected double of ``sglang.Engine`` that stands for
-    sglang ``version``: for unit tests of our translation logic only (the real engine always gets a
-    process of its own)."""
-
-    def __init__(self, engine_cls: Callable, kwargs: dict[str, Any], cfg: RolloutConfig, engine_id: int,
-                 vocab_size: int | None, version: str):
-        surface = surface_for(version)
-        check_call(surface, "Engine.__init__", kwargs)
-        self.driver = SGLangDriver(engine_cls(**kwargs), cfg, engine_id, surface, vocab_size)
-        self.kv_capacity, self.pid, self.sglang_version = self.driver.kv_capacity, os.getpid(), version
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "push":
-            args = (pickle.loads(args[0]), *args[1:])
-        return getattr(self.driver, method)(*args, **kwargs)
-
-    def close(self) -> None:
-        pass
-
-
 class SGLangEngine(RolloutEngine):
     """``RolloutEngine`` over an sglang engine in its own host process; constructed on every rank of
     ``group``. ``device`` ``"cuda:N"`` pins the leader's GPU, ``"cuda"`` takes ``LOCAL_RANK``'s;
     ``"cpu"`` runs the engine on CPU (``sglang_args.server_args``). ``dtype`` overrides the dtype it
-    computes in (sglang's names: "float32", "bfloat16"). ``engine_cls`` replaces ``sglang.Engine`` by
-    a double of sglang ``double_version`` (default the pin), run in this process (unit tests); the real
-    engine's release is the installed one, read by its host.
+    computes in (sglang's names: "float32", "bfloat16"). ``host`` makes what runs the engine's driver
+    from (sglang's engine arguments, ``cfg``, ``engine_id``, the model's vocabulary size); by default
+    a process of its own, which reads the installed sglang release.
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, group: dist.ProcessGroup | None = None,
                  engine_id: int = 0, device: str = "cuda", dtype: str | None = None,
-                 engine_cls: Callable | None = None, double_version: str = SGLANG_PIN):
+                 host: Callable[..., Any] | None = None):
         cfg.validate()
         self.cfg, self.engine_id = cfg, engine_id
         if group is None:
@@ -276,7 +255,7 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"engine {engine_id}: an SGLang TP group must be consecutive ranks on one node "
                              f"(its GPUs are base_gpu_id..base_gpu_id+tp-1), got ranks {ranks}")
         self.is_leader = group is None or dist.get_rank(group) == 0
-        self._host: _ProcessHost | _LocalHost | None = None
+        self._host: _ProcessHost | None = None
         if not self.is_leader:
             return
         dev = torch.device(device)
@@ -285,8 +264,8 @@ class SGLangEngine(RolloutEngine):
         kwargs = server_args(model_dir, cfg, tp_size=len(ranks), local_rank=local_rank, gpu_id=gpu,
                              engine_id=engine_id, device=dev, dtype=dtype)
         vocab_size = _vocab_size(model_dir)
-        if engine_cls is not None:
-            self._host = _LocalHost(engine_cls, kwargs, cfg, engine_id, vocab_size, double_version)
+        if host is not None:
+            self._host = host(kwargs, cfg, engine_id, vocab_size)
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             extra = cpu_engine_env(len(ranks), local_rank, local_ranks) if dev.type == "cpu" else gpu_engine_env()

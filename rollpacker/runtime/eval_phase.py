@@ -40,7 +40,7 @@ from rollpacker.config import Config
 from rollpacker.eval import EvalConfig, EvalRecord, eval_prompts, summarize
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.runtime.rollout_phase import RolloutPhase
-from rollpacker.scheduler.clock import RealClock
+from rollpacker.scheduler.protocols import Fleet
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
 
@@ -81,7 +81,7 @@ class EvalPhase:
 
     def run(self, step: int) -> dict[str, float] | None:
         """Collective over the world: evaluate the weights the awake engines hold; the metrics on rank 0."""
-        result, _ = self.rollout.on_engines(lambda engines: self._drive(step, engines))
+        result, _ = self.rollout.on_engines(lambda fleet: self._drive(step, fleet))
         self.done.add(step)
         return result
 
@@ -100,12 +100,12 @@ class EvalPhase:
                                             reward_key=None, adapt=False), name, key))
         return out
 
-    def _drive(self, step: int, engines: list) -> dict[str, float]:
+    def _drive(self, step: int, fleet: Fleet) -> dict[str, float]:
         start = time.monotonic()
-        log.info("eval of step %d: started on %d engine(s)", step, len(engines))
+        log.info("eval of step %d: started on %d engine(s)", step, fleet.size)
         groups = self._groups(step)
         waiting = deque(g for g, _, _ in groups)
-        driver = EngineDriver(engines, RealClock(), reward=self.rollout.reward)
+        driver = EngineDriver(fleet)
         limit = max(self.max_running, max(g.n for g, _, _ in groups))  # a group larger than the limit runs alone
         records: dict[int, list[EvalRecord]] = {}
         finished_at: dict[tuple[str, str], float] = {}
@@ -113,7 +113,7 @@ class EvalPhase:
         bar = tqdm(total=len(groups), unit="group", desc=f"eval of step {step}", disable=None, leave=False)
         while waiting or driver.open_groups:
             if waiting:  # at most what could fit: placing stops at the first group that fits nowhere
-                for _ in range(driver.launch(list(itertools.islice(waiting, limit * len(engines))), limit)):
+                for _ in range(driver.launch(list(itertools.islice(waiting, limit * fleet.size)), limit)):
                     waiting.popleft()
             for _, news in driver.poll():
                 for done in news.done:
@@ -134,7 +134,7 @@ class EvalPhase:
         self._write_samples(step, ordered)
         metrics = summarize(ordered, finished_at)
         metrics.update({"eval/seconds": seconds, "eval/generated_tokens": float(driver.counters()[1]),
-                        "eval/engines": float(len(engines))})
+                        "eval/engines": float(fleet.size)})
         return metrics
 
     def _write_samples(self, step: int, records: list[EvalRecord]) -> None:

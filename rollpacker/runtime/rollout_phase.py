@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from rollpacker.control.engine_client import Bell, EngineClient
 from rollpacker.control.engine_server import EngineServer
+from rollpacker.control.fleet import fleet_of
 from rollpacker.scheduler.calls import StopReason
 from rollpacker.control.transport import exchange_endpoints
 from rollpacker.runtime.engines import EngineSets
@@ -29,7 +30,7 @@ from rollpacker.runtime.streaming import GroupFeed, GroupInbox, StreamFeed, stre
 from rollpacker.sample import Sample, SampleGroup
 from rollpacker.scheduler import Scheduler
 from rollpacker.scheduler.clock import RealClock
-from rollpacker.scheduler.protocols import RewardSink
+from rollpacker.scheduler.protocols import Fleet, RewardSink
 from rollpacker.scheduler.round import RoundPlan, RoundResult
 from rollpacker.trainer.stream import StreamTrainer
 
@@ -69,27 +70,27 @@ class RolloutPhase:
     def run(self, plan: RoundPlan | None) -> tuple[RoundResult | None, bool]:
         """Collective over the world: (the round's result on rank 0, else None;
         whether this rank was handed to training during the round)."""
-        def round_(engines: list) -> RoundResult:
+        def round_(fleet: Fleet) -> RoundResult:
             feed = self.streaming
-            result = self.scheduler.run_round(plan, engines, self.reward, clock=RealClock(),
-                                              on_group_done=feed.group_done if feed else None,
+            result = self.scheduler.run_round(plan, fleet, on_group_done=feed.group_done if feed else None,
                                               handoff=feed.policy(self.engines.layout) if feed else None)
             self.streamed = feed.end_round() if feed else []
             return result
 
         return self.on_engines(round_)
 
-    def on_engines(self, work: Callable[[list], T]) -> tuple[T | None, bool]:
+    def on_engines(self, work: Callable[[Fleet], T]) -> tuple[T | None, bool]:
         """Collective over the world: rank 0 runs ``work`` over the awake set's engines (its own, and
-        remote races of the others) while their leaders serve and their followers mirror; ``work`` must
+        the others' through their servers) while their leaders serve and their followers mirror; ``work`` must
         end every race it does not retire to the stream trainer (``EngineDriver.end``): that ends its
         server's loop. Returns (``work``'s result on rank 0, else None; whether this rank was handed
         to training)."""
         layout, engine = self.engines.layout, self.engines.active
         result, reason = None, StopReason.ROUND_END
         if self.rank == 0:
-            result = work([engine if leader == 0 else self._proxy(layout.tp, eid, leader)
-                           for eid, leader in enumerate(layout.leaders)])
+            engines = [engine if leader == 0 else self._proxy(layout.tp, eid, leader)
+                       for eid, leader in enumerate(layout.leaders)]
+            result = work(fleet_of(engines, self.bell, RealClock(), self.reward, idle_poll_s=self.engine_wait_s))
         elif layout.is_leader:
             reason = self.server.serve(engine, self.reward, self.engine_wait_s)
         else:

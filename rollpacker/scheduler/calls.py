@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Union
 
 if TYPE_CHECKING:
     from rollpacker.scheduler.group_race import GroupLaunch, GroupRace
@@ -87,3 +87,18 @@ def apply(race: GroupRace, call: Call) -> Any:
 def stop_reason(call: Call) -> StopReason | None:
     """Whether answering ``call`` ends a server's loop (and its round), and why."""
     return {End: StopReason.ROUND_END, Retire: StopReason.TO_TRAINING}.get(type(call))
+
+
+def replies(pending: Iterable[Callable[[], Any]]) -> list:
+    """Each pending call's reply, in order. Every reply is awaited even when one is an error (a
+    channel left without its reply could not be used again); then the first error is raised."""
+    results, error = [], None
+    for reply in list(pending):
+        try:
+            results.append(reply())
+        except Exception as exc:  # noqa: BLE001 - raised once every reply is in
+            error = error or exc
+            results.append(None)
+    if error is not None:
+        raise error
+    return results

@@ -1,15 +1,10 @@
 """Dispatch over a round's engines: where each group runs, what the engines tell, the end.
 
-Every engine runs its share of the round as a ``GroupRace`` (group_race.py): an engine in this
-process (rank 0's own, a modeled one) is wrapped in one here, and an engine that another rank
-leads runs its race inside that rank's ``EngineServer``, reached through an ``EngineClient``
-(``rollpacker/control/``) whose server pushes its news to the bell the round's remote races share. The
-driver places each launched group, all its responses, on the engine with the fewest outstanding
-requests (then outstanding prompt tokens), steps the races it holds, and takes what reached
-the bell; with nothing new it sleeps on the bell until a server pushes or a score ``wake``s it,
-never on a timer. On a ``VirtualClock`` nothing moves by itself: the driver asks every
-``EventSource`` (modeled engines, a reward model with latency) for its next event, advances the
-clock to the earliest, then steps every race, whose engine simulates itself up to the new time.
+The driver places each launched group, all its responses, on the engine with the fewest
+outstanding requests (then outstanding prompt tokens), joins the parts of a group placed on
+several engines back into the group, and keeps the round's accounting. How the engines are
+reached (in this process, or through the servers of the ranks that lead them) is its ``Fleet``'s
+(``scheduler/fleet.py``, ``control/fleet.py``): the driver speaks typed calls to it and takes its news.
 
 When the round is over, ``end`` ends every race, and their reports give the round's accounting:
 where each request ran, the engines' busy slots, preemptions and generated tokens.
@@ -17,24 +12,17 @@ where each request ran, the engines' busy slots, preemptions and generated token
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from rollpacker.scheduler.calls import Call, End, Launch, Retire, Stats, apply
-from rollpacker.rollout.engine import EngineStats, RolloutEngine
-from rollpacker.scheduler.clock import Clock, VirtualClock
+from rollpacker.rollout.engine import EngineStats
 from rollpacker.sample import SampleGroup
-from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, GroupRace, RaceNews, RaceReport
-from rollpacker.scheduler.protocols import EventSource, RewardSink
-
-# a remote race's server is checked for a hang-up after this long without news: a dead rank
-# pushes nothing, and its socket's hang-up is only seen when looked at
-_LIVENESS_AFTER_S = 5.0
+from rollpacker.scheduler.calls import End, Launch, Retire, Stats
+from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, RaceNews, RaceReport
+from rollpacker.scheduler.protocols import Fleet
 
 
 @dataclass
@@ -44,65 +32,33 @@ class _Assembly:
     parts: list[SampleGroup] = field(default_factory=list)
 
 
-class StalledError(RuntimeError):
-    """Groups are open but nothing can make progress (virtual clock)."""
-
-
 class EngineDriver:
-    """``engines``: in-process ``RolloutEngine``s (raced here, scored by ``reward``) and remote races
-    (``protocols.RemoteRace``)."""
+    """Drives the round on ``fleet``'s engines."""
 
-    def __init__(self, engines: Sequence[object], clock: Clock, *, reward: RewardSink | None = None,
-                 idle_poll_s: float = 0.005, event_sources: Sequence[object] = (), progress: bool = False) -> None:
+    def __init__(self, fleet: Fleet, *, progress: bool = False) -> None:
         """``progress``: remote races also tell of each response generated (a hand-off's trigger
         counts them), not only of completed groups."""
-        if not engines:
+        if not fleet.size:
             raise ValueError("a round needs at least one rollout engine")
-        self._clock = clock
-        self._idle_poll_s = idle_poll_s
-        self._virtual = isinstance(clock, VirtualClock)
-        self._local = [i for i, e in enumerate(engines) if isinstance(e, RolloutEngine)]
-        if self._local and reward is None:
-            raise ValueError("engines raced in this process need a reward sink")
-        if self._virtual:
-            not_simulated = [i for i in self._local if not isinstance(engines[i], EventSource)]
-            if not_simulated or len(self._local) < len(engines):
-                raise TypeError(f"engines {not_simulated or 'served by other ranks'} cannot tell their next event; "
-                                "a VirtualClock needs simulated engines in this process")
-        self._races = [GroupRace(e, reward, clock, wake=self.wake) if i in self._local else e
-                       for i, e in enumerate(engines)]
-        self._event_sources = [*(engines[i] for i in self._local),
-                               *(s for s in event_sources if isinstance(s, EventSource))]
-        remote = [i for i in range(len(engines)) if i not in self._local]
-        bells = {id(engines[i].bell): engines[i].bell for i in remote}
-        if len(bells) > 1:
-            raise ValueError("a round's remote engines must share one bell")
-        self._bell = next(iter(bells.values()), None)
-        # in-process engines that tell when they have a completion: the driver sleeps on them with the bell
-        self._ringing = {i for i in self._local if engines[i].ready_fd() is not None}
-        if self._bell is not None:  # what the bell still gets from an earlier driver's round is stale
-            self._bell.new_round(progress)
-            self._bell.watch([engines[i].ready_fd() for i in self._ringing])
-        self._pipelined = set(remote)  # a remote race's calls are sent before any reply is awaited
-        self._last_news = time.monotonic()
-        self._next_blocking = 0
+        self.fleet, self._clock = fleet, fleet.clock
+        fleet.open_round(progress)
         self._part_keys = itertools.count()
         self._part_group: dict[int, int] = {}  # part key -> its group's key
         self._open: dict[int, _Assembly] = {}  # open group key -> its parts done so far
         self._placed: dict[int, int] = {}  # open part key -> engine index
         self._part_tokens: dict[int, int] = {}  # open part key -> its prompt tokens over its responses
         self._outbox: dict[int, list[GroupLaunch]] = defaultdict(list)  # parts placed, not yet sent
-        self._load = [0] * len(engines)  # outstanding requests per engine (as it last told)
-        self._tokens = [0] * len(engines)  # outstanding prompt tokens per engine
+        self._load = [0] * fleet.size  # outstanding requests per engine (as it last told)
+        self._tokens = [0] * fleet.size  # outstanding prompt tokens per engine
         self._retired: dict[int, float] = {}  # engine -> when it left the round
         self._backlog: list[tuple[int, RaceNews]] = []  # news handed back by a retire, for the next poll
         self.reports: dict[int, RaceReport] = {}  # engine -> its race's report, once ended or retired
-        self._start = clock.now()
+        self._start = self._clock.now()
         self._ended_at: float | None = None
 
     @property
     def engines(self) -> int:
-        return len(self._races)
+        return self.fleet.size
 
     @property
     def open_groups(self) -> int:
@@ -141,42 +97,26 @@ class EngineDriver:
         """Advance the engines; each engine's news since the last poll, as (engine index, news), its
         completed parts joined into the groups they complete."""
         news, self._backlog = self._backlog, []
-        if self._virtual:
-            self._advance_virtual_clock()
-        news += self._step_local(0.0)
-        if not news and self._open:
-            news = self._wait()
-        elif self._bell is not None:
-            news += self._bell.collect()
+        news += self.fleet.poll(wait=not news and bool(self._open))
         for i, n in news:
             self._load[i] = n.open
             n.done = [done for part in n.done if (done := self._complete(i, part)) is not None]
-        if news:
-            self._last_news = time.monotonic()
         return news
 
     def wake(self) -> None:
-        """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): a score came.
-        Without a bell the waits are short anyway."""
-        if self._bell is not None:
-            self._bell.wake()
+        """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): a score came."""
+        self.fleet.wake()
 
     def wait_for_time(self) -> None:
-        """Wait for something other than the engines (scores of the after-rollout stage): on a
-        virtual clock, move to the next simulated event; with a bell, until ``wake``; else briefly."""
-        if self._virtual:
-            self._advance_virtual_clock()
-        elif self._bell is not None:
-            self._bell.collect(_LIVENESS_AFTER_S)
-        else:
-            time.sleep(self._idle_poll_s)
+        """Wait for something other than the engines (scores of the after-rollout stage)."""
+        self.fleet.wait_for_time()
 
     def retire(self, indices: Sequence[int]) -> tuple[int, int]:
         """Take engines out of the round: they get no more work and are not called again; their open
         groups (or parts) go, with what they have, to the engines that stay. Returns (requests
         carried over mid-generation, the tokens they had generated)."""
         handed: list[GroupLaunch] = []
-        for i, (states, report) in zip(indices, self._each((i, Retire()) for i in indices)):
+        for i, (states, report) in zip(indices, self.fleet.call((i, Retire()) for i in indices)):
             self.reports[i] = self._by_group(report)
             self._backlog += [(i, n) for n in report.undelivered]
             self._retired[i] = self._clock.now()
@@ -192,20 +132,19 @@ class EngineDriver:
 
     def stats(self) -> list[EngineStats]:
         """Each engine's stats; a retired engine reports nothing in use and no capacity."""
-        live = [i for i in range(len(self._races)) if i not in self._retired]
-        stats = dict(zip(live, self._each((i, Stats()) for i in live)))
-        return [stats.get(i, EngineStats()) for i in range(len(self._races))]
+        live = [i for i in range(self.engines) if i not in self._retired]
+        stats = dict(zip(live, self.fleet.call((i, Stats()) for i in live)))
+        return [stats.get(i, EngineStats()) for i in range(self.engines)]
 
     def end(self) -> None:
         """End every race still in the round: what is left is aborted and each reports."""
-        live = [i for i in range(len(self._races)) if i not in self._retired]
-        self.reports.update(zip(live, map(self._by_group, self._each((i, End()) for i in live))))
+        live = [i for i in range(self.engines) if i not in self._retired]
+        self.reports.update(zip(live, map(self._by_group, self.fleet.call((i, End()) for i in live))))
         self._ended_at = self._clock.now()
-        if self._bell is not None:
-            self._bell.watch([])
+        self.fleet.close_round()
         self._placed.clear()
         self._open.clear()
-        self._load = [0] * len(self._races)
+        self._load = [0] * self.engines
 
     def bubble_fraction(self) -> float:
         """The idle share of the engines' slot-time (``RoundStats``); a retired engine's slots count
@@ -257,7 +196,7 @@ class EngineDriver:
 
     def _send(self) -> None:
         outbox, self._outbox = self._outbox, defaultdict(list)
-        self._each((i, Launch(parts)) for i, parts in outbox.items())
+        self.fleet.call((i, Launch(parts)) for i, parts in outbox.items())
 
     def _complete(self, engine: int, done: GroupDone) -> GroupDone | None:
         """A part is done: its group, when that was its last open part (None: not yet, or reported before)."""
@@ -279,61 +218,3 @@ class EngineDriver:
             spans[self._part_group[part]] += held
         report.spans = dict(spans)
         return report
-
-    def _step_local(self, timeout: float) -> list[tuple[int, RaceNews]]:
-        out = []
-        for i in self._local:
-            if i not in self._retired and (news := self._races[i].step(timeout)):
-                out.append((i, news))
-        return out
-
-    def _wait(self) -> list[tuple[int, RaceNews]]:
-        """Nothing new here: block on an in-process engine that must be polled for its work (round
-        robin), else sleep on the bell until a server pushes, a score wakes it (one that came since
-        the in-process races looked left the bell readable: no sleep then) or an in-process engine
-        has a completion, else (no bell) step an engine or sleep briefly."""
-        generating = [i for i in self._local if i not in self._retired and self._races[i].generating
-                      and (self._bell is None or i not in self._ringing)]
-        if generating:
-            i = generating[self._next_blocking % len(generating)]
-            self._next_blocking += 1
-            news = self._races[i].step(self._idle_poll_s)
-            return ([(i, news)] if news else []) + (self._bell.collect() if self._bell is not None else [])
-        if self._bell is not None:
-            news = self._bell.collect(max(0.001, self._last_news + _LIVENESS_AFTER_S - time.monotonic()))
-            if not news and not self._bell.woken and time.monotonic() - self._last_news >= _LIVENESS_AFTER_S:
-                for i, race in enumerate(self._races):
-                    if i not in self._local and i not in self._retired:
-                        race.check_alive()
-                self._last_news = time.monotonic()
-            return news
-        if not self._virtual:
-            time.sleep(self._idle_poll_s)
-        return []
-
-    def _each(self, calls: Iterable[tuple[int, Call]]) -> list:
-        """Each ``(engine index, call)`` made on its race, their results in order. Every pipelined
-        (remote) race gets its call before any reply is awaited (local ones are called then); each
-        reply is awaited even when one is an error (a channel left without its reply could not be
-        used again), then the first error is raised."""
-        pending = [self._races[i].begin(call) if i in self._pipelined
-                   else functools.partial(apply, self._races[i], call) for i, call in calls]
-        results, error = [], None
-        for reply in pending:
-            try:
-                results.append(reply())
-            except Exception as exc:  # noqa: BLE001 - raised once every reply is in
-                error = error or exc
-                results.append(None)
-        if error is not None:
-            raise error
-        return results
-
-    def _advance_virtual_clock(self) -> None:
-        retired = {id(self._races[i].engine) for i in self._retired}
-        times = [t for t in (s.next_event_time() for s in self._event_sources if id(s) not in retired)
-                 if t is not None]
-        if not times:
-            raise StalledError(f"{self.open_groups} groups open but no simulated event is scheduled")
-        now = self._clock.now()
-        self._clock.advance_to(max(now, min(times)))  # type: ignore[attr-defined]

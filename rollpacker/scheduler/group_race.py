@@ -10,7 +10,8 @@ aborts), and its cost follows the prompts of a round rather than their responses
 
 The race runs in rank 0's process for rank 0's own engine (and for every engine of a modeled
 cluster, on a virtual clock), and inside the ``EngineServer`` of an engine that another rank
-leads, with that node's reward pool; the coordinator drives both alike (``EngineDriver``).
+leads, with that node's reward pool; the coordinator drives both alike (``EngineDriver`` through a
+``Fleet``).
 
 A race lives one round: ``end`` aborts what is left and reports where each request of the
 groups not yet reported ran and what the engine did; ``retire`` (the stream trainer's hand-off)

@@ -6,7 +6,7 @@ and in ``rollpacker.sim``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 from rollpacker.sample import Prompt, Sample
 
@@ -56,15 +56,33 @@ class EventSource(Protocol):
     def next_event_time(self) -> float | None: ...
 
 
-class RemoteRace(Protocol):
-    """The race of an engine that another rank serves (``control.engine_client.EngineClient``): its
-    server pushes the race's news to a bell shared with the round's other remote races, where the
-    driver takes it, and ``begin`` sends a call (``scheduler.calls``) and returns what waits for
-    its reply, so that a driver reaches N engines in about one round trip, not N."""
+class Fleet(Protocol):
+    """How a round's engines are reached (``scheduler.fleet.LocalFleet``: in this process;
+    ``control.fleet.RemoteFleet``: through the servers of the ranks that lead them). Engine ``i``
+    runs its share of the round as a race; the driver makes typed calls (``scheduler.calls``) on
+    them and takes their news as ``(i, RaceNews)`` pairs."""
 
-    bell: Any
+    clock: Any
+    reward: RewardSink | None
 
-    def begin(self, call: Any) -> Callable[[], Any]: ...
+    @property
+    def size(self) -> int: ...
 
-    def check_alive(self) -> None:
-        """Raises if the serving rank has gone."""
+    def open_round(self, progress: bool) -> None:
+        """A round starts; ``progress``: every response generated is news, not only completed groups."""
+
+    def close_round(self) -> None: ...
+
+    def call(self, calls: Iterable[tuple[int, Any]]) -> list:
+        """Each ``(engine, call)`` made, every call sent before any reply is awaited; the replies in
+        order (the first error raised once all are in)."""
+
+    def poll(self, wait: bool = False) -> list:
+        """The news since the last look; with none and ``wait``, once some comes (or a ``wake``)."""
+
+    def wake(self) -> None:
+        """End a wait early; safe from any thread (a score came)."""
+
+    def wait_for_time(self) -> None:
+        """Wait for something other than the engines (the after-rollout stage's scores): until a
+        ``wake``, the next simulated event, or briefly."""

@@ -28,11 +28,10 @@ from typing import Callable
 
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.sample import Prompt, Sample, SampleGroup
-from rollpacker.scheduler.clock import Clock
-from rollpacker.scheduler.dispatch import EngineDriver, StalledError
+from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.fleet import StalledError
 from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, RaceNews, RaceReport
 from rollpacker.scheduler.handoff import HandoffTrigger
-from rollpacker.scheduler.protocols import RewardSink
 from rollpacker.scheduler.round import Outcome, RequestTrace, RoundPlan, RoundResult, RoundStats, RoundTrace
 
 GroupCallback = Callable[[SampleGroup], None]
@@ -48,14 +47,14 @@ class _Group:
 
 
 class RoundRunner:
-    def __init__(self, plan: RoundPlan, *, r0: int, driver: EngineDriver, reward: RewardSink | None, clock: Clock,
-                 sampling: SamplingParams, async_reward: bool,
+    def __init__(self, plan: RoundPlan, *, r0: int, driver: EngineDriver, sampling: SamplingParams, async_reward: bool,
                  keeps: Callable[[SampleGroup], bool],
                  replacement: Callable[[], Prompt | None],
                  on_group_done: GroupCallback | None, handoff: HandoffTrigger | None = None) -> None:
         if plan.n_responses < r0:
             raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={r0}")
-        self.plan, self.r0, self.driver, self.reward, self.clock = plan, r0, driver, reward, clock
+        self.plan, self.r0, self.driver = plan, r0, driver
+        self.reward, self.clock = driver.fleet.reward, driver.fleet.clock
         self.sampling, self.async_reward = sampling, async_reward
         self.keeps, self.replacement, self.on_group_done = keeps, replacement, on_group_done
         self.groups: list[_Group] = []  # launch order; a group's key is its index here

@@ -3,8 +3,8 @@
 Two phases per step so that the program can regroup its ranks in between::
 
     plan = scheduler.plan_round()              # kind, tp, prompts, n
-    engines = regroup(plan.tp)                 # program's job
-    result = scheduler.run_round(plan, engines, reward, clock=clock)
+    fleet = regroup(plan.tp)                   # program's job: the engines, as a Fleet
+    result = scheduler.run_round(plan, fleet)
     trainer.step(result.groups)
 
 ``state_dict`` is valid between rounds (not between ``plan_round`` and
@@ -21,16 +21,15 @@ from typing import Any, Iterator, Sequence
 
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import RolloutEngine, SamplingParams
+from rollpacker.rollout.engine import SamplingParams
 from rollpacker.scheduler.admission import FreshAdmission, HistoryAdmission
-from rollpacker.scheduler.clock import Clock
 from rollpacker.scheduler.config import SchedulerConfig, TPProfile
 from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.history import PromptHistory
 from rollpacker.scheduler.modes import make_policy, races
 from rollpacker.scheduler.planner import ParallelismPlanner
-from rollpacker.scheduler.protocols import PromptSource, RewardSink
+from rollpacker.scheduler.protocols import Fleet, PromptSource
 from rollpacker.scheduler.queue import LongPromptQueue
 from rollpacker.scheduler.round_runner import GroupCallback, RoundRunner
 from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult
@@ -81,24 +80,20 @@ class Scheduler:
                                   n_responses=spec.n_responses, target_groups=self.cfg.p0)
         return self._pending
 
-    def run_round(self, plan: RoundPlan, engines: Sequence[RolloutEngine | object], reward: RewardSink | None, *,
-                  clock: Clock,
-                  on_group_done: GroupCallback | None = None, handoff: HandoffPolicy | None = None) -> RoundResult:
-        """Run ``plan`` to P0 kept groups over ``engines`` (in-process ones, raced here and scored
-        by ``reward``, and remote races); ``on_group_done(group)`` fires as each
+    def run_round(self, plan: RoundPlan, fleet: Fleet, *, on_group_done: GroupCallback | None = None,
+                  handoff: HandoffPolicy | None = None) -> RoundResult:
+        """Run ``plan`` to P0 kept groups over ``fleet``'s engines; ``on_group_done(group)`` fires as each
         group is kept (after the reward stage in synchronous-reward mode).
         ``handoff``: in a long round, when and which engines go to the stream trainer."""
         if plan is not self._pending:
             raise RuntimeError("run_round needs the plan returned by the last plan_round")
-        if len(engines) * plan.tp != self.rollout_ranks:
+        if fleet.size * plan.tp != self.rollout_ranks:
             raise ValueError(f"round {plan.index} plans TP {plan.tp} over {self.rollout_ranks} rollout ranks, "
-                             f"i.e. {self.rollout_ranks // plan.tp} engines; got {len(engines)}")
-        trigger = (HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, len(engines))
+                             f"i.e. {self.rollout_ranks // plan.tp} engines; got {fleet.size}")
+        trigger = (HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, fleet.size)
                    if handoff is not None and plan.kind is RoundKind.LONG else None)
-        driver = EngineDriver(engines, clock, reward=reward, idle_poll_s=self.cfg.idle_poll_s, event_sources=[reward],
-                              progress=trigger is not None)
         runner = RoundRunner(
-            plan, r0=self.cfg.r0, driver=driver, reward=reward, clock=clock, sampling=self.sampling,
+            plan, r0=self.cfg.r0, driver=EngineDriver(fleet, progress=trigger is not None), sampling=self.sampling,
             async_reward=self.async_reward, keeps=self.policy.keeps,
             replacement=lambda: self.policy.replacement(plan.kind, self.queue, self.source),
             on_group_done=on_group_done, handoff=trigger)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
-from rollpacker.scheduler import ListPromptSource, RoundKind, RoundResult, RoundStats, Scheduler, VirtualClock
+from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, RoundResult, RoundStats, Scheduler, VirtualClock
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.sim.engine import SimEngine
 from rollpacker.sim.perf import H800, QWEN25, Efficiency, PerfModel
@@ -84,7 +84,7 @@ class SimCluster:
         perf = PerfModel(self.model, H800, plan.tp, self.settings.efficiency)
         engines = [SimEngine(perf, self.clock, self.oracle, engine_id=i)
                    for i in range(self.settings.gpus // plan.tp)]
-        return self.scheduler.run_round(plan, engines, self.reward, clock=self.clock)
+        return self.scheduler.run_round(plan, LocalFleet(engines, self.clock, self.reward))
 
 
 def run_mode(mode: str, settings: SimSettings, trace: list[PromptLengths], *,
