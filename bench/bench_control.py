@@ -5,7 +5,7 @@
 Rank 0 here is this process, running what rank 0 runs in training: the real ``Scheduler``
 (tail batching) over the real control plane (an ``EngineClient`` per engine, ZeroMQ REQ/REP
 to an ``EngineServer``, whose race of the groups placed on its engine pushes its news to rank 0's
-bell), its own engine raced in-process (asleep on the bell and the engine's ready descriptor, as
+news inbox), its own engine raced in-process (asleep on the news inbox and the engine's ready descriptor, as
 with an SGLang engine), and node 0's reward pool: rank 0 is node 0's first rank, so the pool that
 scores node 0's engines (``--engines-per-node``) runs here, serving node 0's other engines through
 a ``RewardService``; its worker processes decode
@@ -57,7 +57,7 @@ import psutil
 import zmq
 
 from bench.results import REPO, write_results
-from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
 from rollpacker.control.fleet import RemoteFleet
 from rollpacker.control.transport import Endpoint
@@ -243,8 +243,8 @@ class MultiplexedServer(EngineServer):
         self._shared.wake()
 
 
-class CountingBell(Bell):
-    """Rank 0's bell, counting the pushes it takes."""
+class CountingInbox(NewsInbox):
+    """Rank 0's news inbox, counting the pushes it takes."""
 
     received = 0
 
@@ -370,8 +370,8 @@ class Hosts:
 class CountingRace(EngineClient):
     """The coordinator's handle on a race, counting the calls it sends (each gets one reply)."""
 
-    def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell, clock: ScaledClock) -> None:
-        super().__init__(endpoint, engine_id, bell, clock=clock)
+    def __init__(self, endpoint: Endpoint, engine_id: int, news_inbox: NewsInbox, clock: ScaledClock) -> None:
+        super().__init__(endpoint, engine_id, news_inbox, clock=clock)
         self.sent: collections.Counter[str] = collections.Counter()
 
     def begin(self, call: Any) -> Any:
@@ -382,7 +382,7 @@ class CountingRace(EngineClient):
 def idle_cpu_per_s(engines: list, sink: PoolRewardSink, seconds: float) -> float:
     """Rank 0's CPU per wall second while it waits on one group that runs on its own engine (the part
     of its cost a compressed replay does not show)."""
-    driver = EngineDriver(RemoteFleet(engines, engines[-1].bell, ScaledClock(1.0), sink))
+    driver = EngineDriver(RemoteFleet(engines, engines[-1].news_inbox, ScaledClock(1.0), sink))
     prompt = Prompt(uid=-1, input_ids=[TOKENS[0]] * 16, data_source=TASK_NAME, ground_truth="7")
     driver.launch([GroupLaunch(0, prompt, 1, 1, IDLE, IDLE, SamplingParams(max_new_tokens=LIMIT))])
     cpu, wall = time.process_time(), time.monotonic()
@@ -443,7 +443,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
     modeled = modeled_rounds(engines, total, args.seed)
     scheduler = scheduler_for(engines, trace_for(engines, total, args.seed))
     replay = Replay(engines, total, args.speed, args.seed)  # rank 0's own engine
-    bell, races, hosts = CountingBell(), [], None
+    news_inbox, races, hosts = CountingInbox(), [], None
     # node 0's reward pool, in rank 0's process: its own engine scores there, node 0's others through the service
     with RewardPool(RewardConfig(num_workers=args.reward_workers), tokenizer=build_tokenizer()) as pool:
         service, sink = RewardService(pool), PoolRewardSink(pool)
@@ -451,7 +451,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
             hosts = Hosts(args, engines, total, f"tcp://127.0.0.1:{service.port}")
             pool.wait_ready()
             clock = ScaledClock(args.speed)
-            races = [CountingRace(ep, i, bell, clock) for i, ep in enumerate(hosts.endpoints, start=1)]
+            races = [CountingRace(ep, i, news_inbox, clock) for i, ep in enumerate(hosts.endpoints, start=1)]
             probe = replay.engine(0, ring=True)
             idle = idle_cpu_per_s([probe, *races], sink, args.idle_s)
             probe.close()
@@ -460,7 +460,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
             for index in range(total):
                 if index == args.warmup:  # what the warm-up rounds sent is not counted
                     sent_before = sum((r.sent for r in races), collections.Counter())
-                    pushes_before = bell.received
+                    pushes_before = news_inbox.received
                 plan = scheduler.plan_round()
                 cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.monotonic()
                 threads = thread_cpu()
@@ -468,7 +468,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 if profiler and index >= args.warmup:
                     profiler.enable()
                 own = replay.engine(0, ring=True)  # rank 0's own engine, raced in this process, a fresh one a round
-                result = scheduler.run_round(plan, RemoteFleet([own, *races], bell, clock, sink))  # its end stops the servers
+                result = scheduler.run_round(plan, RemoteFleet([own, *races], news_inbox, clock, sink))  # its end stops the servers
                 own.close()
                 if profiler:
                     profiler.disable()
@@ -486,12 +486,12 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                                "wall_s": wall, "replayed_s": s.rollout_seconds, "modeled_s": modeled[index],
                                "generated_tokens": s.generated_tokens})
             sent = sum((r.sent for r in races), collections.Counter()) - sent_before
-            sent["push"] = bell.received - pushes_before  # the races' news (one-way, no reply)
+            sent["push"] = news_inbox.received - pushes_before  # the races' news (one-way, no reply)
             reports = hosts.reports()
         finally:
             for race in races:
                 race.shutdown()
-            bell.close()
+            news_inbox.close()
             service.close()
             if hosts is not None:
                 hosts.kill()

@@ -2,7 +2,7 @@
 sleeper's poll set.
 
 Used where a thread waits on sockets or pipes and must also hear of work handed over in memory: the
-coordinator's bell (a score came) and the reward pool's dispatcher (a response was submitted). One
+coordinator's news inbox (a score came) and the reward pool's dispatcher (a response was submitted). One
 byte is written per sleep, not per wake: a flag says one already waits in the pipe. The sleeper
 drains the pipe before it lowers the flag and only then looks at what the wakers handed over; in the
 other order a wake landing in between could leave the flag up over an empty pipe, and every later

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
 from rollpacker.control.fleet import RemoteFleet
 from rollpacker.scheduler.calls import End, Retire, Stats
@@ -170,8 +170,8 @@ class Rings(Never):
         os.close(self._ring)
 
 
-class CountingBell(Bell):
-    """A bell that counts the pushes it takes, stale ones included."""
+class CountingInbox(NewsInbox):
+    """A news inbox that counts the pushes it takes, stale ones included."""
 
     received = 0
 
@@ -226,8 +226,8 @@ def served(engine: str) -> Iterator[subprocess.Popen]:
         server.wait()
 
 
-def remote(port: int, engine_id: int, timeout_s: float, bell: Bell | None = None) -> EngineClient:
-    return EngineClient(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id, bell, timeout_s=timeout_s)
+def remote(port: int, engine_id: int, timeout_s: float, news_inbox: NewsInbox | None = None) -> EngineClient:
+    return EngineClient(Endpoint(1, f"tcp://127.0.0.1:{port}", ""), engine_id, news_inbox, timeout_s=timeout_s)
 
 
 def group(key: int, prefix: str, n: int = 1, r0: int | None = None):
@@ -325,10 +325,10 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
     from rollpacker.scheduler.clock import RealClock
     from rollpacker.scheduler.dispatch import EngineDriver
 
-    bell = Bell()
+    news_inbox = NewsInbox()
     with served("Gate") as gate, served("Refuses") as refuses:
-        proxies = [remote(gate.port, 1, timeout_s=60, bell=bell), remote(refuses.port, 2, timeout_s=60, bell=bell)]
-        driver = EngineDriver(RemoteFleet(proxies, bell, RealClock(), None))
+        proxies = [remote(gate.port, 1, timeout_s=60, news_inbox=news_inbox), remote(refuses.port, 2, timeout_s=60, news_inbox=news_inbox)]
+        driver = EngineDriver(RemoteFleet(proxies, news_inbox, RealClock(), None))
         groups = [group(0, "a"), group(1, "b")]  # the least loaded engine takes the next group: one each
         outcome: list = []
         launch = threading.Thread(target=lambda: outcome.append(_raised(lambda: driver.launch(groups))))
@@ -348,7 +348,7 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
         assert [sorted(p.call(End()).spans) for p in proxies] == [[0], []]
         for p in proxies:
             p.shutdown()
-    bell.close()
+    news_inbox.close()
 
 
 def _raised(call: Callable[[], object]) -> BaseException | None:
@@ -360,12 +360,12 @@ def _raised(call: Callable[[], object]) -> BaseException | None:
 
 
 def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_groups():
-    """A server pushes its race's news to rank 0's bell as it comes, so a push can cross the round's
+    """A server pushes its race's news to rank 0's news inbox as it comes, so a push can cross the round's
     end or a hand-off's retire. A push left from the last round is dropped in the next, where a
     deferred prompt's request ids (and here its group's key) come back: a stale group would pass
     for the one sampled under the new weights. A retire hands back the groups still open, with what
     their responses had generated, and never one whose completion was pushed already: that one
-    reaches the driver once, from the bell."""
+    reaches the driver once, from the news inbox."""
     from rollpacker.scheduler.clock import RealClock
     from rollpacker.scheduler.dispatch import EngineDriver
 
@@ -377,12 +377,12 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         while True:
             server.serve(FinishesAtOnce(), None)
     """)
-    bell = CountingBell()
-    proxy = remote(int(server.stdout.readline()), 0, timeout_s=60, bell=bell)
+    news_inbox = CountingInbox()
+    proxy = remote(int(server.stdout.readline()), 0, timeout_s=60, news_inbox=news_inbox)
 
     def launch(driver: EngineDriver, key: int, prefix: str) -> None:  # finished at once: wait for its push
         driver.launch([group(key, prefix)])
-        assert bell.sock.poll(30_000), f"{prefix} was not pushed"
+        assert news_inbox.sock.poll(30_000), f"{prefix} was not pushed"
 
     def taken(driver: EngineDriver) -> list[tuple[int, list[int]]]:  # (group, its response's tokens)
         got: list = []
@@ -391,12 +391,12 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         return [(d.key, list(d.group.samples[0].response_ids)) for d in got]
 
     try:
-        first = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
+        first = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
         launch(first, 0, "a")
         in_round = taken(first)
         launch(first, 1, "c")  # the round ends with c's push unread
         first.end()  # the server's loop ends with it; it serves the next round with a new engine
-        second = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))  # the next round: c launched again, under key 1 again
+        second = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))  # the next round: c launched again, under key 1 again
         launch(second, 1, "c")
         next_round = taken(second)
         launch(second, 2, "e")  # complete and pushed: not handed back
@@ -405,18 +405,18 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         after_retire = taken(second)
     finally:
         proxy.shutdown()
-        bell.close()
+        news_inbox.close()
         server.kill()
         server.wait()
     print(f"taken in the round: {in_round}; in the next round: {next_round}; handed back by the retire: "
           f"{[(g.request_prefix, sorted(g.partial)) for g in handed]}, then taken: {after_retire}; pushes received: "
-          f"{bell.received}")
+          f"{news_inbox.received}")
     assert in_round == [(0, [0])]  # from the server's first engine
     assert next_round == [(1, [1])], "the last round's group c was taken in the next"
     assert [(g.request_prefix, {r: list(c.output_ids) for r, c in g.partial.items()}) for g in handed] == \
         [("slow", {0: [1, 1], 1: [1, 1]})]
     assert after_retire == [(2, [1])]
-    assert bell.received == 4  # a, c, c again, e: each came, the stale one was dropped here
+    assert news_inbox.received == 4  # a, c, c again, e: each came, the stale one was dropped here
 
 
 def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
@@ -426,12 +426,12 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
     from rollpacker.scheduler.clock import RealClock
     from rollpacker.scheduler.dispatch import EngineDriver
 
-    engine, server, bell = Rings(), EngineServer(), Bell()
+    engine, server, news_inbox = Rings(), EngineServer(), NewsInbox()
     serving = threading.Thread(target=server.serve, args=(engine, None, 0.001), daemon=True)
     serving.start()
-    proxy = remote(server.port, 0, timeout_s=60, bell=bell)
+    proxy = remote(server.port, 0, timeout_s=60, news_inbox=news_inbox)
     try:
-        driver = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
+        driver = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
         driver.launch([group(0, "r", n=2)])
         time.sleep(0.5)
         polls_while_generating = engine.polls
@@ -444,7 +444,7 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
         serving.join(30)
     finally:
         proxy.shutdown()
-        bell.close()
+        news_inbox.close()
         server.close()
         engine.close()
     print(f"engine polls in 0.5 s of generating: {polls_while_generating} (0.001 s steps would make ~500); "
@@ -454,8 +454,8 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
     assert not serving.is_alive()
 
 
-def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypatch):
-    """With nothing new, the driver waits on its bell for the whole span until its next check that
+def test_a_driver_on_a_news_inbox_sleeps_until_news_and_a_wake_ends_its_wait(monkeypatch):
+    """With nothing new, the driver waits on its news inbox for the whole span until its next check that
     the servers are alive (made an hour here), not on a short timer: one wait per poll, which
     takes what came first without polling. A wake from another thread (the reward pool's, when a
     score comes) ends that wait at once, and a wake that came before the poll waited makes that
@@ -466,14 +466,14 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
 
     monkeypatch.setattr(fleet, "_LIVENESS_AFTER_S", 3600.0)
     with served("Never") as server:
-        bell = Bell()
-        proxy = remote(server.port, 1, timeout_s=60, bell=bell)
+        news_inbox = NewsInbox()
+        proxy = remote(server.port, 1, timeout_s=60, news_inbox=news_inbox)
         try:
-            driver = EngineDriver(RemoteFleet([proxy], bell, RealClock(), None))
+            driver = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
             driver.launch([group(0, "r")])
             waits: list[float] = []
             waiting = threading.Event()
-            look = bell.collect
+            look = news_inbox.collect
 
             def collect(timeout_s: float = 0.0) -> list:
                 waits.append(timeout_s)
@@ -481,11 +481,11 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
                     waiting.set()
                 return look(timeout_s)
 
-            bell.collect = collect
+            news_inbox.collect = collect
             polled: list = []
             poll = threading.Thread(target=lambda: polled.append(driver.poll()), daemon=True)
             poll.start()
-            assert waiting.wait(60), "the driver never waited on its bell"
+            assert waiting.wait(60), "the driver never waited on its news inbox"
             driver.wake()  # as the reward pool's thread does when a score comes
             poll.join(60)
             assert not poll.is_alive(), "a wake did not end the driver's wait"
@@ -500,25 +500,25 @@ def test_a_driver_on_a_bell_sleeps_until_news_and_a_wake_ends_its_wait(monkeypat
             assert not early.is_alive(), "a wake that came before the poll looked was lost"
         finally:
             proxy.shutdown()
-            bell.close()
-    print(f"bell waits of the woken poll: {first}; of the poll woken before it waited: {waits}, "
+            news_inbox.close()
+    print(f"news inbox waits of the woken poll: {first}; of the poll woken before it waited: {waits}, "
           f"returned after {early_s:.3f} s")
     assert polled == [[], []]
     assert len(first) == 1 and first[0] > 3000, first
     assert len(waits) == 1 and early_s < 30, (waits, early_s)
 
 
-def test_a_wake_after_the_bell_closed_writes_to_no_file():
-    """A late score of a past round may wake a bell that has closed; its pipe's descriptors may
+def test_a_wake_after_the_news_inbox_closed_writes_to_no_file():
+    """A late score of a past round may wake a news inbox that has closed; its pipe's descriptors may
     then name another file (here a new pipe, which takes the lowest free numbers): nothing reaches it."""
-    bell = Bell()
-    bell.wake()
-    assert bell.collect(30) == [] and bell.woken
-    bell.close()
+    news_inbox = NewsInbox()
+    news_inbox.wake()
+    assert news_inbox.collect(30) == [] and news_inbox.woken
+    news_inbox.close()
     r, w = os.pipe()
     try:
         os.set_blocking(r, False)
-        bell.wake()
+        news_inbox.wake()
         with pytest.raises(BlockingIOError):
             os.read(r, 1)
     finally:
@@ -527,28 +527,28 @@ def test_a_wake_after_the_bell_closed_writes_to_no_file():
     print("a wake after close: nothing written to the pipe that took its descriptors")
 
 
-def test_a_wake_that_lands_while_the_bell_drains_its_pipe_leaves_later_wakes_working(monkeypatch):
-    """A score may wake the bell just as ``collect`` drains its pipe. That wake's news is seen by the
+def test_a_wake_that_lands_while_the_news_inbox_drains_its_pipe_leaves_later_wakes_working(monkeypatch):
+    """A score may wake the news inbox just as ``collect`` drains its pipe. That wake's news is seen by the
     caller at once; what matters is that the next wake still wakes: drained before the flag that
     spares repeated writes was lowered, a wake could leave that flag up with no byte in the pipe,
     and every later wake would then be skipped."""
     from rollpacker import wakeup
 
-    bell = Bell()
+    news_inbox = NewsInbox()
     read = os.read
 
     def wake_then_read(fd: int, n: int) -> bytes:
-        if fd == bell._wakeup.fd:
+        if fd == news_inbox._wakeup.fd:
             monkeypatch.setattr(wakeup.os, "read", read)
-            bell.wake()  # lands between the poll that saw the pipe and its drain
+            news_inbox.wake()  # lands between the poll that saw the pipe and its drain
         return read(fd, n)
 
     try:
-        bell.wake()
+        news_inbox.wake()
         monkeypatch.setattr(wakeup.os, "read", wake_then_read)
-        assert bell.collect(30) == [] and bell.woken
-        bell.wake()  # a later score
-        assert bell.collect(5) == [] and bell.woken, "a wake after the drain was lost"
+        assert news_inbox.collect(30) == [] and news_inbox.woken
+        news_inbox.wake()  # a later score
+        assert news_inbox.collect(5) == [] and news_inbox.woken, "a wake after the drain was lost"
     finally:
-        bell.close()
-    print("a wake during the drain, then another: both woke the bell")
+        news_inbox.close()
+    print("a wake during the drain, then another: both woke the news inbox")

@@ -1,9 +1,9 @@
-"""Rank 0's side of the remote engines: a client per engine server, and the bell their news comes to.
+"""Rank 0's side of the remote engines: a client per engine server, and the news inbox their news comes to.
 
 An ``EngineClient`` sends typed calls (``scheduler/calls.py``) to the ``EngineServer`` of an engine
 that another rank leads; ``begin`` sends one and returns what waits for its reply, so that the
 driver reaches N engines in about one round trip, not N. What the servers' races have to tell
-comes the other way, pushed to the round's ``Bell`` (PUSH/PULL, one socket on rank 0 for all of
+comes the other way, pushed to the round's ``NewsInbox`` (PUSH/PULL, one socket on rank 0 for all of
 them), where ``control.fleet.RemoteFleet`` takes it.
 """
 from __future__ import annotations
@@ -15,23 +15,23 @@ from urllib.parse import urlparse
 import zmq
 
 from rollpacker.scheduler.calls import Call, Launch, Reply, RoundContext, stop_reason
-from rollpacker.control.transport import BELL_PORT, Channel, Endpoint, bind, context, node_address
+from rollpacker.control.transport import NEWS_INBOX_PORT, Channel, Endpoint, bind, context, node_address
 from rollpacker.rollout.engine import RequestError
 from rollpacker.scheduler.clock import Clock, RealClock
 from rollpacker.scheduler.group_race import RaceNews
 from rollpacker.wakeup import Wakeup
 
 
-class Bell:
+class NewsInbox:
     """Rank 0's inbox of the remote races' news: the server of each ``EngineClient`` made with it
-    pushes what its race has to tell, tagged with the bell's round. Another thread of rank 0
+    pushes what its race has to tell, tagged with the news inbox's round. Another thread of rank 0
     (the reward pool's, with a score) rings it with ``wake``: the coordinator then sleeps until
     something happened, never on a timer."""
 
     def __init__(self):
         self.sock = context().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = bind(self.sock, BELL_PORT)
+        self.port = bind(self.sock, NEWS_INBOX_PORT)
         # pushes of an earlier round (sent before its servers were stopped) are dropped: a deferred
         # prompt's request ids come back in a later round, and a stale response would pass for its own
         self.round = 0
@@ -64,7 +64,7 @@ class Bell:
         return b"%d" % self.round
 
     def address_for(self, endpoint: Endpoint) -> str:
-        """This bell as the server at ``endpoint`` reaches it: loopback on this host, else by this
+        """This inbox as the server at ``endpoint`` reaches it: loopback on this host, else by this
         node's address as ``exchange_endpoints`` publishes it."""
         host = urlparse(endpoint.address).hostname
         here = "127.0.0.1" if host == "127.0.0.1" else node_address()
@@ -112,23 +112,23 @@ class Bell:
 
 class EngineClient:
     """Rank 0's handle on the race that another rank's ``EngineServer`` runs for its engine
-    (reached through ``control.fleet.RemoteFleet``); its news comes through ``bell``."""
+    (reached through ``control.fleet.RemoteFleet``); its news comes through ``news_inbox``."""
 
-    def __init__(self, endpoint: Endpoint, engine_id: int, bell: Bell | None, *, clock: Clock = RealClock(),
+    def __init__(self, endpoint: Endpoint, engine_id: int, news_inbox: NewsInbox | None, *, clock: Clock = RealClock(),
                  timeout_s: float = 600.0):
-        self.endpoint, self.engine_id, self.bell, self._clock = endpoint, engine_id, bell, clock
+        self.endpoint, self.engine_id, self.news_inbox, self._clock = endpoint, engine_id, news_inbox, clock
         self._timeout_ms = int(timeout_s * 1000)
         self._channel = Channel(zmq.REQ, f"rank {endpoint.rank}, serving engine {engine_id},")
         self._channel.sock.connect(endpoint.address)
-        self._round: int | None = None  # the bell's round the server pushes for (told at a launch)
-        self._bell_address = bell.address_for(endpoint) if bell is not None else ""
+        self._round: int | None = None  # the news inbox's round the server pushes for (told at a launch)
+        self._inbox_address = news_inbox.address_for(endpoint) if news_inbox is not None else ""
 
     def begin(self, call: Call) -> Callable[[], Any]:
         """Send ``call``; the returned function waits for its reply's value."""
-        if isinstance(call, Launch) and self._round != self.bell.round:  # the round's first launch
-            self._round = self.bell.round
-            call = Launch(call.groups, RoundContext(self.bell.round, self.engine_id, self._bell_address,
-                                                    self.bell.progress, self._clock.now()))
+        if isinstance(call, Launch) and self._round != self.news_inbox.round:  # the round's first launch
+            self._round = self.news_inbox.round
+            call = Launch(call.groups, RoundContext(self.news_inbox.round, self.engine_id, self._inbox_address,
+                                                    self.news_inbox.progress, self._clock.now()))
         elif stop_reason(call) is not None:  # the server forgets the round
             self._round = None
         self._channel.sock.send_pyobj(call)

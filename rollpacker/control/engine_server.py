@@ -7,7 +7,7 @@ scored by the reward pool of the leader's node, and rank 0 holds an ``EngineClie
 typed calls over ZeroMQ REQ/REP (``scheduler/calls.py``). The server keeps stepping its engine
 whenever it has work and answers between steps, so remote engines decode concurrently with rank
 0's own engine; what its race has to tell (a group complete, and in a round that may hand off,
-each response generated) it pushes to rank 0's ``Bell`` (PUSH/PULL, one socket on rank 0 for all
+each response generated) it pushes to rank 0's ``NewsInbox`` (PUSH/PULL, one socket on rank 0 for all
 engines). So rank 0 neither polls engines nor hears of each response: its cost follows the
 prompts of a round, not their responses, the engines or the seconds a round lasts
 (``bench/bench_control.py``).
@@ -42,7 +42,7 @@ class _AlignedClock:
 class EngineServer:
     """Serves this rank's engine of the current round to the coordinator: the engine's share of
     the round runs here, as a ``GroupRace`` scored by this node's reward pool, and what it has to
-    tell is pushed to the coordinator's bell.
+    tell is pushed to the coordinator's news inbox.
 
     The socket is bound once per rank; each rollout round calls ``serve`` with the engine this
     rank leads in that round's layout.
@@ -57,9 +57,9 @@ class EngineServer:
         self._reward: RewardSink | None = None
         self._race: GroupRace | None = None
         self._round: RoundContext | None = None  # the round this server's race belongs to
-        self._backlog: list[RaceNews] = []  # news not yet pushed (the bell's socket was full)
-        self._bell: zmq.Socket | None = None  # PUSH to the coordinator's Bell
-        self._bell_address = ""
+        self._backlog: list[RaceNews] = []  # news not yet pushed (the news inbox's socket was full)
+        self._outbox: zmq.Socket | None = None  # PUSH to the coordinator's NewsInbox
+        self._outbox_address = ""
 
     def serve(self, engine: RolloutEngine, reward: RewardSink, wait_s: float = 0.005) -> StopReason:
         """Run the race the coordinator hands ``engine`` this round (scored by ``reward``), answering
@@ -75,7 +75,7 @@ class EngineServer:
         try:
             while True:
                 polled = ready is None and self._race is not None and self._race.generating
-                # with news the bell's full socket refused, try again soon
+                # with news the news inbox's full socket refused, try again soon
                 timeout = 0 if polled else 50 if self._backlog else None
                 if self._channel.ready(timeout) and (reason := self._answer()) is not None:
                     return reason
@@ -93,7 +93,7 @@ class EngineServer:
         if reason is not None and reply.error is None:
             # whatever the round left here must not reach the next one: a request id comes back when
             # its deferred prompt is launched again (pushes already on their way carry the round's
-            # tag, which the bell no longer accepts)
+            # tag, which the news inbox no longer accepts)
             self._race, self._round, self._backlog = None, None, []
             return reason
         self._push()
@@ -101,7 +101,7 @@ class EngineServer:
 
     def _advance(self, wait_s: float = 0.0) -> None:
         """Step the race (the engine may wait up to ``wait_s`` for a completion); what it has to
-        tell goes to the coordinator's bell."""
+        tell goes to the coordinator's news inbox."""
         self.wakeup.drain()  # before the race looks at the scores its wakers handed over
         if self._race is not None:
             news = self._race.step(wait_s)
@@ -110,25 +110,25 @@ class EngineServer:
         self._push()
 
     def _push(self) -> None:
-        """The news, to the bell in one message. Never blocks the engine's loop: with the
+        """The news, to the news inbox in one message. Never blocks the engine's loop: with the
         coordinator's socket full it waits here for the next try."""
         if not (self._backlog and self._round):
             return
         payload = pickle.dumps((self._round.engine, self._backlog), pickle.HIGHEST_PROTOCOL)
         try:
-            self._bell.send_multipart([self._round.tag, payload], zmq.NOBLOCK)
+            self._outbox.send_multipart([self._round.tag, payload], zmq.NOBLOCK)
         except zmq.Again:
             return
         self._backlog = []
 
     def _begin_round(self, round_: RoundContext) -> None:
-        if round_.inbox_address != self._bell_address:
-            if self._bell is not None:
-                self._bell.close(linger=0)
-            self._bell = context().socket(zmq.PUSH)
-            self._bell.setsockopt(zmq.LINGER, 0)
-            self._bell.connect(round_.inbox_address)
-            self._bell_address = round_.inbox_address
+        if round_.inbox_address != self._outbox_address:
+            if self._outbox is not None:
+                self._outbox.close(linger=0)
+            self._outbox = context().socket(zmq.PUSH)
+            self._outbox.setsockopt(zmq.LINGER, 0)
+            self._outbox.connect(round_.inbox_address)
+            self._outbox_address = round_.inbox_address
         self._round, self._backlog = round_, []
         self._race = GroupRace(self._engine, self._reward, _AlignedClock(round_.coordinator_now), wake=self._wake)
 
@@ -137,8 +137,8 @@ class EngineServer:
         self.wakeup.wake()
 
     def close(self) -> None:
-        if self._bell is not None:
-            self._bell.close(linger=0)
+        if self._outbox is not None:
+            self._outbox.close(linger=0)
         self.wakeup.close()
         self._channel.close()
 
@@ -154,7 +154,7 @@ class EngineServer:
                 if isinstance(call, Stats):
                     return Reply(self._engine.stats())
             value = apply(self._race, call)
-            if isinstance(call, Retire):  # its groups go back, with the news the bell could not take
+            if isinstance(call, Retire):  # its groups go back, with the news the news inbox could not take
                 value[1].undelivered = self._backlog
             return Reply(value)
         except RequestError as exc:

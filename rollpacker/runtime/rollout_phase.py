@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from rollpacker.control.engine_client import Bell, EngineClient
+from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
 from rollpacker.control.fleet import fleet_of
 from rollpacker.scheduler.calls import StopReason
@@ -52,7 +52,7 @@ class RolloutPhase:
         world = engines.world
         self.endpoints = exchange_endpoints(self.server.port, self.inbox.port, group=world.control)
         self._proxies: dict[tuple[int, int], EngineClient] = {}
-        self.bell = Bell() if self.rank == 0 else None  # every remote race pushes its news here
+        self.news_inbox = NewsInbox() if self.rank == 0 else None  # every remote race pushes its news here
         if self.rank == 0:  # every engine's proxy now, while every rank is alive: ZeroMQ reports a
             # connection that closed, but one first made to a rank already gone would just never
             # complete, and rank 0 would wait on it for good (a node lost before a TP size's first round)
@@ -90,7 +90,7 @@ class RolloutPhase:
         if self.rank == 0:
             engines = [engine if leader == 0 else self._proxy(layout.tp, eid, leader)
                        for eid, leader in enumerate(layout.leaders)]
-            result = work(fleet_of(engines, self.bell, RealClock(), self.reward, idle_poll_s=self.engine_wait_s))
+            result = work(fleet_of(engines, self.news_inbox, RealClock(), self.reward, idle_poll_s=self.engine_wait_s))
         elif layout.is_leader:
             reason = self.server.serve(engine, self.reward, self.engine_wait_s)
         else:
@@ -117,14 +117,14 @@ class RolloutPhase:
     def _proxy(self, tp: int, engine_id: int, leader: int) -> EngineClient:
         key = (tp, engine_id)
         if key not in self._proxies:
-            self._proxies[key] = EngineClient(self.endpoints[leader], engine_id, self.bell)
+            self._proxies[key] = EngineClient(self.endpoints[leader], engine_id, self.news_inbox)
         return self._proxies[key]
 
     def close(self) -> None:
         for proxy in self._proxies.values():
             proxy.shutdown()
-        if self.bell is not None:
-            self.bell.close()
+        if self.news_inbox is not None:
+            self.news_inbox.close()
         if self.streaming:
             self.streaming.feed.close()
         self._acks.close()
