@@ -2,11 +2,11 @@
 sleeper's poll set.
 
 Used where a thread waits on sockets or pipes and must also hear of work handed over in memory: the
-coordinator's news inbox (a score came) and the reward pool's dispatcher (a response was submitted). One
-byte is written per sleep, not per wake: a flag says one already waits in the pipe. The sleeper
-drains the pipe before it lowers the flag and only then looks at what the wakers handed over; in the
-other order a wake landing in between could leave the flag up over an empty pipe, and every later
-wake would be skipped.
+coordinator's news inbox (a score came), the stream feeder (a group was kept) and the reward pool's
+dispatcher (a response was submitted). One byte is written per sleep, not per wake: a flag says one
+already waits in the pipe. The sleeper drains the pipe before it lowers the flag and only then looks
+at what the wakers handed over; in the other order a wake landing in between could leave the flag up
+over an empty pipe, and every later wake would be skipped.
 """
 from __future__ import annotations
 

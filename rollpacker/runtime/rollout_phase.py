@@ -126,7 +126,7 @@ class RolloutPhase:
         if self.news_inbox is not None:
             self.news_inbox.close()
         if self.streaming:
-            self.streaming.feed.close()
+            self.streaming.close()
         self._acks.close()
         self.server.close()
         self.inbox.close()

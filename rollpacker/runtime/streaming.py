@@ -28,6 +28,7 @@ from rollpacker.runtime.world import RolloutLayout
 from rollpacker.sample import SampleGroup
 from rollpacker.scheduler.handoff import HandoffPolicy
 from rollpacker.trainer.stream import StreamTrainer
+from rollpacker.wakeup import Wakeup
 
 Group = SampleGroup
 
@@ -55,9 +56,12 @@ class GroupInbox:
         self._channel.ready(None)
         return self._channel.sock.recv_pyobj()
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether a message arrives within ``timeout_s``."""
-        return bool(self._channel.sock.poll(int(timeout_s * 1000)))
+    def wait(self, wakeup: Wakeup) -> None:
+        """Until a message is here or ``wakeup`` is woken."""
+        poller = zmq.Poller()
+        poller.register(self._channel.sock, zmq.POLLIN)
+        poller.register(wakeup.fd, zmq.POLLIN)
+        poller.poll()
 
     def drain(self) -> list[Any]:
         """Every message already here, without waiting."""
@@ -109,6 +113,7 @@ class StreamFeed:
                  window: int = 2):
         self.feed, self.acks, self.replica_of = feed, acks, list(replica_of)
         self.low, self.high, self.window = low, high, window
+        self._wakeup = Wakeup()  # the feeder sleeps until an acknowledgement or a group (or the end) comes
         self._start_round(None)
 
     def policy(self, layout: RolloutLayout) -> HandoffPolicy | None:
@@ -121,18 +126,24 @@ class StreamFeed:
 
     def group_done(self, group: Group) -> None:
         self._incoming.put(group)
+        self._wakeup.wake()
 
     def end_round(self) -> list[Group]:
         """Stop feeding, tell the training replicas the rollout is over; returns the groups they got."""
         ended = RolloutEnded(time.time())
         if self._feeder is not None:
             self._incoming.put(None)
+            self._wakeup.wake()
             self._feeder.join()
         for ranks in self._replicas:
             self.feed.send(ranks, ended)
         streamed = self._streamed
         self._start_round(None)
         return streamed
+
+    def close(self) -> None:
+        self.feed.close()
+        self._wakeup.close()
 
     # --- internals ---------------------------------------------------------------------------------
     def _start_round(self, layout: RolloutLayout | None) -> None:
@@ -163,6 +174,7 @@ class StreamFeed:
         tokens = [0] * len(self._replicas)
         ending = False
         while True:
+            self._wakeup.drain()  # before looking at what was handed over: a later wake then ends the wait
             with contextlib.suppress(queue.Empty):
                 while True:
                     group = self._incoming.get_nowait()
@@ -181,7 +193,7 @@ class StreamFeed:
                 self._streamed.append(group)
             if ending:
                 return
-            self.acks.wait(0.005)
+            self.acks.wait(self._wakeup)
 
 
 def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[int, int]], None]) -> int:
