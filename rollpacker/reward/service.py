@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from rollpacker.control.transport import REWARD_SERVICE_PORT, PeerLostError, bind, context
+from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.pool import RewardPool
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.sample import Sample
@@ -176,24 +177,25 @@ class RemoteRewardSink:
 
 
 class NodeReward:
-    """Collective over ``group`` (every rank): the sink this rank's engine races score with. ``pool``:
-    the node's, given on the node's first rank (``lead``); the other ranks of the node reach it
-    over loopback, through a ``RewardService`` beside it.
+    """Collective over ``group`` (every rank): the sink this rank's engine races score with. The
+    node's reward pool (``cfg``, ``tokenizer``) runs on the node's first rank (``lead``); the other
+    ranks of the node reach it over loopback, through a ``RewardService`` beside it.
 
     The adaptive code timeouts are the pools' learned state: each node's pool observes the runtimes
     of what it scores, and the pools share what they learned once per step (``share_code_timeouts``),
     so that every node times a prompt's tests as one pool would, and rank 0's pool, which the
     checkpoint saves, holds what all of them learned."""
 
-    def __init__(self, pool: RewardPool | None, *, lead: int, local_size: int, group: Any):
+    def __init__(self, cfg: RewardConfig, *, tokenizer: Any, lead: int, local_size: int, group: Any):
         import torch.distributed as dist
 
-        self._pool, self._group = pool, group
+        self.pool = RewardPool(cfg, tokenizer=tokenizer) if dist.get_rank() == lead else None
+        self._group = group
         self._nodes = dist.get_world_size(group) // local_size
-        self._service = RewardService(pool) if pool is not None and local_size > 1 else None
+        self._service = RewardService(self.pool) if self.pool is not None and local_size > 1 else None
         ports: list[int | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(ports, self._service.port if self._service else 0, group=group)
-        self.sink: RewardSink = (PoolRewardSink(pool) if pool is not None
+        self.sink: RewardSink = (PoolRewardSink(self.pool) if self.pool is not None
                                  else RemoteRewardSink(f"tcp://127.0.0.1:{ports[lead]}"))
 
     def share_code_timeouts(self) -> None:
@@ -203,29 +205,35 @@ class NodeReward:
 
         if self._nodes == 1:
             return
-        grown = self._pool.code_timeouts.take_grown() if self._pool is not None else {}
+        grown = self.pool.code_timeouts.take_grown() if self.pool is not None else {}
         everyone: list[dict | None] = [None] * dist.get_world_size(self._group)
         dist.all_gather_object(everyone, grown, group=self._group)
-        if self._pool is not None:
+        if self.pool is not None:
             for anchors in everyone:
-                self._pool.code_timeouts.merge(anchors)
+                self.pool.code_timeouts.merge(anchors)
 
     def load_everywhere(self, state: dict[str, Any] | None) -> None:
         """Collective: rank 0's saved pool state (``RewardPool.state_dict``) in every node's pool."""
         import torch.distributed as dist
 
         if self._nodes == 1:
-            if self._pool is not None and state is not None:
-                self._pool.load_state_dict(state)
+            if self.pool is not None and state is not None:
+                self.pool.load_state_dict(state)
             return
         box = [state]
         dist.broadcast_object_list(box, src=0, group=self._group)
-        if self._pool is not None and box[0] is not None:
-            self._pool.load_state_dict(box[0])
+        if self.pool is not None and box[0] is not None:
+            self.pool.load_state_dict(box[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """This node's pool's learned state (rank 0's is the one a checkpoint saves)."""
+        return self.pool.state_dict()
 
     def close(self) -> None:
-        """Before the pool closes; a service goes before its sinks (they only note the hang-up)."""
+        """A service goes before its sinks (they only note the hang-up), the pool last."""
         if isinstance(self.sink, RemoteRewardSink):
             self.sink.close()
         if self._service is not None:
             self._service.close()
+        if self.pool is not None:
+            self.pool.close()

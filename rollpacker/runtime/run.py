@@ -22,7 +22,6 @@ from rollpacker.configlib import ConfigError, to_dict
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.metrics import MetricsLogger, Timeline, plot_timeline
 from rollpacker.memory_phases import Phase, PhaseMachine
-from rollpacker.reward import RewardPool
 from rollpacker.reward.service import NodeReward
 from rollpacker.rollout_report import TABLE_COLUMNS, completion_rows, plot_gantt
 from rollpacker.runtime.console import Console, write_config
@@ -59,8 +58,6 @@ class Run:
         self.ckpt = CheckpointManager(self.run_dir, keep=cfg.run.keep_checkpoints, group=world.control)
         self.ckpt.install_stop_handlers()
         self.coordinator = world.rank == 0
-        # one reward pool per node, on its first rank: the node's engines score their responses there
-        self.pool = RewardPool(cfg.reward, tokenizer=pre.tokenizer) if world.rank == world.node_lead else None
         scheduler = None
         if self.coordinator:
             self.dataset = PromptDataset.from_config(cfg.data, pre.tokenizer)
@@ -74,8 +71,9 @@ class Run:
                         world.size)
         # a rank's training replica decides whether its engine may leave a long round to stream-train
         replica_of = replica_of_ranks(layout.dp_rank, world.control) if cfg.trainer.stream else None
-        self.node_reward = NodeReward(self.pool, lead=world.node_lead, local_size=world.local_size,
-                                      group=world.control)
+        # one reward pool per node, on its first rank: the node's engines score their responses there
+        self.node_reward = NodeReward(cfg.reward, tokenizer=pre.tokenizer, lead=world.node_lead,
+                                      local_size=world.local_size, group=world.control)
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=self.node_reward.sink,
                                           replica_of=replica_of, engine_wait_s=cfg.scheduler.idle_poll_s,
                                           trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
@@ -210,7 +208,7 @@ class Run:
         shared = None
         if self.coordinator:
             shared = {"step": step, "data": self.dataset.state_dict(), "scheduler": self.scheduler.state_dict(),
-                      "reward": self.pool.state_dict()}
+                      "reward": self.node_reward.state_dict()}
         self.ckpt.save(step, {"trainer": self.trainer.state_dict()}, shared, export=self._export_hf,
                        before_commit=before_commit)
 
@@ -249,8 +247,6 @@ class Run:
         self.rollout_phase.close()
         self.engines.shutdown()
         self.node_reward.close()
-        if self.pool is not None:
-            self.pool.close()
         if self.coordinator:
             if hasattr(self, "metrics"):  # not opened when the resume was refused
                 self.metrics.close()

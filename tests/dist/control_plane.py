@@ -21,7 +21,7 @@ from rollpacker.runtime.engines import EngineSets
 from rollpacker.runtime.rollout_phase import broadcast_groups
 from rollpacker.runtime.streaming import replica_of_ranks
 from rollpacker.runtime.world import World
-from rollpacker.reward import RewardConfig, RewardPool
+from rollpacker.reward import RewardConfig
 from rollpacker.reward.service import NodeReward
 from rollpacker.sample import Prompt, Sample, SampleGroup
 
@@ -57,15 +57,14 @@ def main(model_dir: str, run_dir: str) -> None:
     got = broadcast_groups([group] if rank == 0 else None, world.control)
     assert [(s.prompt.uid, list(s.response_ids)) for g in got for s in g] == [(7, [2])]
     # two nodes of one rank: a pool each, which share what they learned of the code tests' runtimes
-    pool = RewardPool(RewardConfig(num_workers=1))
-    nodes = NodeReward(pool, lead=rank, local_size=1, group=world.control)
+    nodes = NodeReward(RewardConfig(num_workers=1), tokenizer=None, lead=rank, local_size=1, group=world.control)
+    pool = nodes.pool
     pool.code_timeouts.observe(f"p{rank}", {0: 1.5 + rank})
     nodes.share_code_timeouts()
     assert [pool.code_timeouts.anchor(f"p{r}", 0) for r in (0, 1)] == [1.5, 2.5]
     nodes.load_everywhere({"code_timeouts": {"anchors": {"p9#0": 4.0}}} if rank == 0 else None)
     assert pool.code_timeouts.state_dict() == {"anchors": {"p9#0": 4.0}}
     nodes.close()
-    pool.close()
     assert replica_of_ranks(rank, world.control) == [0, 1]
     assert len(exchange_endpoints(1000 + rank, 2000 + rank, group=world.control)) == 2
     engines.shutdown()
