@@ -57,9 +57,8 @@ import psutil
 import zmq
 
 from bench.results import REPO, write_results
-from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import RemoteFleet
+from rollpacker.control.fleet import EngineClient, NewsInbox, RemoteFleet
 from rollpacker.control.transport import Endpoint
 from rollpacker.examples.task import TASK_NAME
 from rollpacker.examples.tokenizer import build_tokenizer
@@ -71,7 +70,7 @@ from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngi
 from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, LocalFleet, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
-from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.round_runner import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
 from rollpacker.sim.engine import SimEngine
 from rollpacker.sim.perf import H800, QWEN25, PerfModel

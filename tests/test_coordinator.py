@@ -20,9 +20,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import RemoteFleet
+from rollpacker.control.fleet import EngineClient, NewsInbox, RemoteFleet
 from rollpacker.scheduler.calls import End, Retire, Stats
 from rollpacker.control.transport import Endpoint, PeerLostError
 from rollpacker.runtime.streaming import GroupInbox
@@ -255,7 +254,7 @@ def test_a_serving_rank_raises_when_the_coordinator_dies():
     server = EngineServer()
     coordinator = child(f"""
         import os, signal
-        from rollpacker.control.engine_client import EngineClient
+        from rollpacker.control.fleet import EngineClient
         from rollpacker.scheduler.calls import Stats
         from rollpacker.control.transport import Endpoint
         remote = EngineClient(Endpoint(1, "tcp://127.0.0.1:{server.port}", ""), 1, None)
@@ -323,7 +322,7 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
     refused launch leaves no group racing on its engine."""
     from rollpacker.rollout.engine import RequestError
     from rollpacker.scheduler.clock import RealClock
-    from rollpacker.scheduler.dispatch import EngineDriver
+    from rollpacker.scheduler.round_runner import EngineDriver
 
     news_inbox = NewsInbox()
     with served("Gate") as gate, served("Refuses") as refuses:
@@ -367,7 +366,7 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
     their responses had generated, and never one whose completion was pushed already: that one
     reaches the driver once, from the news inbox."""
     from rollpacker.scheduler.clock import RealClock
-    from rollpacker.scheduler.dispatch import EngineDriver
+    from rollpacker.scheduler.round_runner import EngineDriver
 
     server = child("""
         from rollpacker.control.engine_server import EngineServer
@@ -424,7 +423,7 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
     while it generates: its server sleeps until the engine rings, a message or a score comes. A
     polled engine's server would have looked at it every few milliseconds (every ``wait_s``)."""
     from rollpacker.scheduler.clock import RealClock
-    from rollpacker.scheduler.dispatch import EngineDriver
+    from rollpacker.scheduler.round_runner import EngineDriver
 
     engine, server, news_inbox = Rings(), EngineServer(), NewsInbox()
     serving = threading.Thread(target=server.serve, args=(engine, None, 0.001), daemon=True)
@@ -462,7 +461,7 @@ def test_a_driver_on_a_news_inbox_sleeps_until_news_and_a_wake_ends_its_wait(mon
     wait return at once."""
     from rollpacker.control import fleet
     from rollpacker.scheduler.clock import RealClock
-    from rollpacker.scheduler.dispatch import EngineDriver
+    from rollpacker.scheduler.round_runner import EngineDriver
 
     monkeypatch.setattr(fleet, "_LIVENESS_AFTER_S", 3600.0)
     with served("Never") as server:

@@ -23,10 +23,9 @@ from rollpacker.rollout.engine import FINISH_ABORT, GenerationRequest, SamplingP
 from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, Scheduler, VirtualClock
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
-from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
-from rollpacker.scheduler.round_runner import RoundRunner
+from rollpacker.scheduler.round_runner import EngineDriver, RoundRunner
 from rollpacker.scheduler.round import RoundPlan
 from rollpacker.sim import H800, LengthOracle, ModelSpec, PerfModel, SimEngine, SimRewardSink, longtail_trace
 from rollpacker.sim.traces import PromptLengths, parse_request_id

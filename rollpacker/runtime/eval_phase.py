@@ -41,7 +41,7 @@ from rollpacker.eval import EvalConfig, EvalRecord, eval_prompts, summarize
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.runtime.rollout_phase import RolloutPhase
 from rollpacker.scheduler.protocols import Fleet
-from rollpacker.scheduler.dispatch import EngineDriver
+from rollpacker.scheduler.round_runner import EngineDriver
 from rollpacker.scheduler.group_race import GroupLaunch
 
 log = logging.getLogger("rollpacker")

@@ -20,9 +20,8 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from rollpacker.control.engine_client import NewsInbox, EngineClient
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import fleet_of
+from rollpacker.control.fleet import EngineClient, NewsInbox, fleet_of
 from rollpacker.scheduler.calls import StopReason
 from rollpacker.control.transport import exchange_endpoints
 from rollpacker.runtime.engines import EngineSets

@@ -24,14 +24,13 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.scheduler.admission import FreshAdmission, HistoryAdmission
 from rollpacker.scheduler.config import SchedulerConfig, TPProfile
-from rollpacker.scheduler.dispatch import EngineDriver
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.history import PromptHistory
 from rollpacker.scheduler.modes import make_policy, races
 from rollpacker.scheduler.planner import ParallelismPlanner
 from rollpacker.scheduler.protocols import Fleet, PromptSource
 from rollpacker.scheduler.queue import LongPromptQueue
-from rollpacker.scheduler.round_runner import GroupCallback, RoundRunner
+from rollpacker.scheduler.round_runner import EngineDriver, GroupCallback, RoundRunner
 from rollpacker.scheduler.round import RoundKind, RoundPlan, RoundResult
 
 _COUNTERS = ("rounds", "launched", "kept", "filtered", "deferred", "routed")
