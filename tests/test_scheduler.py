@@ -437,7 +437,9 @@ def test_handoff_is_checked_at_every_finished_request_even_when_one_poll_returns
 
     driver.poll = counted
     trigger = HandoffTrigger(HandoffPolicy(candidates=(1,), on_release=released.append), 32, 2)
-    result = RoundRunner(plan, r0=4, driver=driver, sampling=SamplingParams(max_new_tokens=4096), async_reward=True, keeps=lambda g: True,
+    launches = [GroupLaunch(0, p, 4, 4, f"p{p.uid}e0r", f"0:0:p{p.uid}e0r", SamplingParams(max_new_tokens=4096),
+                            reward_key=f"p{p.uid}") for p in prompts]
+    result = RoundRunner(plan, driver=driver, launches=launches, async_reward=True, keeps=lambda g: True,
                          replacement=lambda: None, on_group_done=None, handoff=trigger).run()
     print(f"responses generated per poll: {[n for n in batches if n]}; "
           f"handed off at {result.stats.handoff_fraction:.2f}")

@@ -184,7 +184,8 @@ class RemoteFleet:
         self.clock, self.reward, self._news_inbox = clock, reward, news_inbox
         own = [i for i, e in enumerate(engines) if isinstance(e, RolloutEngine)]
         self._own = dict(zip(own, range(len(own))))  # engine index -> index in the local fleet
-        self._local = LocalFleet([engines[i] for i in own], clock, reward, idle_poll_s=idle_poll_s, wake=news_inbox.wake)
+        self._local = LocalFleet([engines[i] for i in own], clock, reward, idle_poll_s=idle_poll_s,
+                                 wake=news_inbox.wake)
         self._clients = {i: e for i, e in enumerate(engines) if i not in self._own}
         self._size = len(engines)
         # own engines that tell when they have a completion: a wait sleeps on them with the news inbox

@@ -17,19 +17,16 @@ seeds from (eval seed, step, sampling, file, prompt, sample), so no engine seed 
 scheduler, its queue and history, the dataset cursor and the ledger are not touched; its scores
 do not adapt the reward pool's code timeouts.
 
-Rank 0 places the eval's prompt groups (a prompt's samples of one sampling) over every engine of
-the set as a round places its groups (its own engine in-process, the others through their
-servers), keeps at most each engine's running limit outstanding so that an engine that is done
-early takes more, and each engine scores its responses on its node's reward pool as they finish;
-a group comes back to rank 0 once all its samples are scored.
+Rank 0 runs the eval as a round (``RoundRunner``, ``RoundKind.EVAL``) that keeps every group (a
+prompt's samples of one sampling): its groups are placed over every engine of the set as a
+training round's are, at most each engine's running limit outstanding so that an engine that is
+done early takes more, and each engine scores its responses on its node's reward pool as they
+finish; a group comes back to rank 0 once all its samples are scored.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,8 @@ from rollpacker.eval import EvalConfig, EvalRecord, eval_prompts, summarize
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.runtime.rollout_phase import RolloutPhase
 from rollpacker.scheduler.protocols import Fleet
-from rollpacker.scheduler.round_runner import EngineDriver
+from rollpacker.scheduler.round import RoundKind, RoundPlan
+from rollpacker.scheduler.round_runner import EngineDriver, RoundRunner
 from rollpacker.scheduler.group_race import GroupLaunch
 
 log = logging.getLogger("rollpacker")
@@ -101,39 +99,34 @@ class EvalPhase:
         return out
 
     def _drive(self, step: int, fleet: Fleet) -> dict[str, float]:
-        start = time.monotonic()
+        """The eval as a round that keeps every group, placed as room frees on the engines."""
         log.info("eval of step %d: started on %d engine(s)", step, fleet.size)
         groups = self._groups(step)
-        waiting = deque(g for g, _, _ in groups)
-        driver = EngineDriver(fleet)
-        limit = max(self.max_running, max(g.n for g, _, _ in groups))  # a group larger than the limit runs alone
-        records: dict[int, list[EvalRecord]] = {}
-        finished_at: dict[tuple[str, str], float] = {}
+        launches = [g for g, _, _ in groups]
+        plan = RoundPlan(index=step, kind=RoundKind.EVAL, tp=self.rollout.engines.layout.tp,
+                         prompts=tuple(g.prompt for g in launches), n_responses=max(g.n for g in launches),
+                         target_groups=len(launches))
         # Only on a terminal (disable=None): a log file keeps the step lines without a bar's redraws.
         bar = tqdm(total=len(groups), unit="group", desc=f"eval of step {step}", disable=None, leave=False)
-        while waiting or driver.open_groups:
-            if waiting:  # at most what could fit: placing stops at the first group that fits nowhere
-                for _ in range(driver.launch(list(itertools.islice(waiting, limit * fleet.size)), limit)):
-                    waiting.popleft()
-            for _, news in driver.poll():
-                for done in news.done:
-                    g, name, key = groups[done.key]
-                    p = done.group.prompt = g.prompt
-                    records[done.key] = [EvalRecord(name, key, p.data_source, p.uid, s.response_index,
-                                                    tuple(s.response_ids), s.finish_reason, float(s.reward),
-                                                    bool(s.correct))
-                                         for s in sorted(done.group.samples, key=lambda s: s.response_index)]
-                    now = time.monotonic() - start
-                    for group in ("", f"file/{key}/", f"source/{p.data_source}/"):
-                        finished_at[(name, group)] = now
-                    bar.update()
+        start = fleet.clock.now()
+        runner = RoundRunner(plan, driver=EngineDriver(fleet), launches=launches, async_reward=True,
+                             keeps=lambda _: True, replacement=lambda: None, on_group_done=lambda _: bar.update(),
+                             limit=max(self.max_running, plan.n_responses))  # a larger group runs alone
+        result = runner.run()
         bar.close()
-        driver.end()  # every engine's server stops with its race
-        seconds = time.monotonic() - start
-        ordered = [r for k in range(len(groups)) for r in records[k]]
-        self._write_samples(step, ordered)
-        metrics = summarize(ordered, finished_at)
-        metrics.update({"eval/seconds": seconds, "eval/generated_tokens": float(driver.counters()[1]),
+        records, finished_at = [], {}
+        for (_, name, key), done in zip(groups, result.completed):
+            p = done.prompt
+            samples = sorted(done.samples, key=lambda s: s.response_index)
+            records += [EvalRecord(name, key, p.data_source, p.uid, s.response_index, tuple(s.response_ids),
+                                   s.finish_reason, float(s.reward), bool(s.correct)) for s in samples]
+            last = max(s.scored_at for s in samples) - start
+            for group in ("", f"file/{key}/", f"source/{p.data_source}/"):
+                finished_at[(name, group)] = max(finished_at.get((name, group), 0.0), last)
+        self._write_samples(step, records)
+        metrics = summarize(records, finished_at)
+        metrics.update({"eval/seconds": fleet.clock.now() - start,
+                        "eval/generated_tokens": float(result.stats.generated_tokens),
                         "eval/engines": float(fleet.size)})
         return metrics
 

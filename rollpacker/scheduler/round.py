@@ -19,6 +19,7 @@ class RoundKind(str, enum.Enum):
     SHORT = "short"  # tail batching: over-launched race to P0 done prompts
     LONG = "long"  # the first P0 queued prompts, exactly R0 responses each, run to the limit
     BASELINE = "baseline"  # synchronous P0 x R0, waits for the longest response
+    EVAL = "eval"  # validation: every response of every eval prompt, nothing races
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class RoundResult:
     deferred: list[Prompt] = field(default_factory=list)  # in launch order, now at the back of the queue
     stats: RoundStats = field(default_factory=RoundStats)
     trace: RoundTrace | None = None
+    completed: list[SampleGroup | None] = field(default_factory=list)  # each launched group; None: deferred
 
     @property
     def groups(self) -> list[list[Sample]]:

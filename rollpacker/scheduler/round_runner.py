@@ -30,6 +30,7 @@ and takes its news.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -38,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from rollpacker.rollout.engine import EngineStats, SamplingParams
+from rollpacker.rollout.engine import EngineStats
 from rollpacker.sample import Prompt, Sample, SampleGroup
 from rollpacker.scheduler.calls import End, Launch, Retire, Stats
 from rollpacker.scheduler.fleet import StalledError
@@ -53,6 +54,7 @@ GroupCallback = Callable[[SampleGroup], None]
 @dataclass
 class _Group:
     prompt: Prompt
+    n: int  # responses launched
     launched_at: float
     done: SampleGroup | None = None  # reported complete: its r0, in the order they became ready
     complete: bool = False
@@ -60,16 +62,19 @@ class _Group:
 
 
 class RoundRunner:
-    def __init__(self, plan: RoundPlan, *, r0: int, driver: EngineDriver, sampling: SamplingParams, async_reward: bool,
-                 keeps: Callable[[SampleGroup], bool],
-                 replacement: Callable[[], Prompt | None],
-                 on_group_done: GroupCallback | None, handoff: HandoffTrigger | None = None) -> None:
-        if plan.n_responses < r0:
-            raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={r0}")
-        self.plan, self.r0, self.driver = plan, r0, driver
+    """Runs ``plan`` on ``driver``'s engines: ``launches`` at the start (their keys are the runner's
+    to give), ``replacement()`` for each group ``keeps`` filters (None: none). ``limit``: no engine
+    holds more outstanding requests; launches that do not fit wait for room (an eval's many)."""
+
+    def __init__(self, plan: RoundPlan, *, driver: EngineDriver, launches: Sequence[GroupLaunch], async_reward: bool,
+                 keeps: Callable[[SampleGroup], bool], replacement: Callable[[], GroupLaunch | None],
+                 on_group_done: GroupCallback | None, handoff: HandoffTrigger | None = None,
+                 limit: int | None = None) -> None:
+        self.plan, self.driver, self.launches, self.limit = plan, driver, launches, limit
         self.reward, self.clock = driver.fleet.reward, driver.fleet.clock
-        self.sampling, self.async_reward = sampling, async_reward
+        self.async_reward = async_reward
         self.keeps, self.replacement, self.on_group_done = keeps, replacement, on_group_done
+        self.waiting: collections.deque[GroupLaunch] = collections.deque()  # launched, not yet placed
         self.groups: list[_Group] = []  # launch order; a group's key is its index here
         self.kept: list[SampleGroup] = []
         self.filtered: list[Prompt] = []
@@ -81,13 +86,14 @@ class RoundRunner:
 
     def run(self) -> RoundResult:
         start = self.clock.now()
-        self._launch(*self.plan.prompts)  # one call per engine, not per prompt and engine
+        self._launch(*self.launches)  # one call per engine, not per prompt and engine
         while not self._closed():
             if not self.driver.open_groups:
                 raise StalledError(f"round {self.plan.index}: {len(self.kept)}/{self.plan.target_groups} groups "
                                    "kept and nothing left running")
             for _, news in self.driver.poll():
                 self._hear(news)
+            self._place()
         self.driver.end()
         rollout_end = self.clock.now()
         bubble = self.driver.bubble_fraction()
@@ -95,17 +101,21 @@ class RoundRunner:
             self._score_after_rollout()
         return self._result(start, rollout_end, bubble)
 
-    def _launch(self, *prompts: Prompt) -> None:
-        now, launches = self.clock.now(), []
-        for prompt in prompts:
-            key = len(self.groups)
-            self.groups.append(_Group(prompt, now))
-            prefix = f"p{prompt.uid}e{prompt.epoch}r"  # ``Sample.request_id``
-            # seeds from the run's seed, the round and the request id (``GroupLaunch.seed``)
-            launches.append(GroupLaunch(key, prompt, self.plan.n_responses, self.r0, prefix,
-                                        f"{self.sampling.seed or 0}:{self.plan.index}:{prefix}", self.sampling,
-                                        scored=self.async_reward, reward_key=f"p{prompt.uid}"))
-        self.driver.launch(launches)
+    def _launch(self, *launches: GroupLaunch) -> None:
+        now = self.clock.now()
+        for g in launches:
+            self.waiting.append(dataclasses.replace(g, key=len(self.groups)))
+            self.groups.append(_Group(g.prompt, g.n, now))
+        self._place()
+
+    def _place(self) -> None:
+        """What waits, on the engines, up to the limit: placing stops at the first group that fits nowhere."""
+        if not self.waiting:
+            return
+        fits = len(self.waiting) if self.limit is None else self.limit * self.driver.engines
+        batch = list(itertools.islice(self.waiting, fits))
+        for _ in range(self.driver.launch(batch, self.limit)):
+            self.waiting.popleft()
 
     def _hear(self, news: RaceNews) -> None:
         for done in news.done:
@@ -136,8 +146,7 @@ class RoundRunner:
         if not self.keeps(done.group):
             self.filtered.append(group.prompt)
             self.filtered_tokens.append(max(done.group.lengths))
-            extra = self.replacement()
-            if extra is not None:
+            if (extra := self.replacement()) is not None:
                 self._launch(extra)
             return
         group.kept = True
@@ -177,7 +186,7 @@ class RoundRunner:
             wasted_tokens=max(0, generated - batch_tokens),
             preemptions=preemptions,
             launched_prompts=len(self.groups),
-            launched_responses=len(self.groups) * self.plan.n_responses,
+            launched_responses=sum(g.n for g in self.groups),
             kept_prompts=len(self.kept),
             filtered_prompts=len(self.filtered),
             deferred_prompts=len(deferred),
@@ -186,19 +195,18 @@ class RoundRunner:
             handoff_fraction=self.handoff.fired_at if self.handoff and self.handoff.fired_at is not None else 0.0,
         )
         return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered,
-                           self.filtered_tokens, deferred, stats, self._trace(start, rollout_end))
+                           self.filtered_tokens, deferred, stats, self._trace(start, rollout_end),
+                           completed=[g.done for g in self.groups])
 
     def _trace(self, start: float, rollout_end: float) -> RoundTrace:
         at, released = self.handed_off or (None, ())
         first = sorted(self.driver.reports, key=lambda i: self.driver.retired_at(i) is None)  # held it first
-        build = functools.partial(_request_traces, self.groups, [(i, self.driver.reports[i]) for i in first],
-                                  self.plan.n_responses, start)
+        build = functools.partial(_request_traces, self.groups, [(i, self.driver.reports[i]) for i in first], start)
         return RoundTrace(self.driver.engines, build, rollout_end - start, None if at is None else at - start,
                           released)
 
 
-def _request_traces(groups: list[_Group], reports: list[tuple[int, RaceReport]], n: int,
-                    start: float) -> list[RequestTrace]:
+def _request_traces(groups: list[_Group], reports: list[tuple[int, RaceReport]], start: float) -> list[RequestTrace]:
     """Every launched request, in launch order, with the engines that held it (from the races' reports,
     in the order they held it) and what became of it."""
     spans: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
@@ -209,7 +217,7 @@ def _request_traces(groups: list[_Group], reports: list[tuple[int, RaceReport]],
     requests = []
     for key, group in enumerate(groups):
         done = {s.response_index: s for s in group.done.samples} if group.done is not None else {}
-        for r in range(n):
+        for r in range(group.n):
             sample = done.get(r) or Sample(prompt=group.prompt, response_index=r, submitted_at=group.launched_at)
             if not group.complete:
                 outcome = Outcome.DEFERRED

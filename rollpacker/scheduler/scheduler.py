@@ -22,8 +22,10 @@ from typing import Any, Iterator, Sequence
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
+from rollpacker.sample import Prompt
 from rollpacker.scheduler.admission import FreshAdmission, HistoryAdmission
 from rollpacker.scheduler.config import SchedulerConfig, TPProfile
+from rollpacker.scheduler.group_race import GroupLaunch
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
 from rollpacker.scheduler.history import PromptHistory
 from rollpacker.scheduler.modes import make_policy, races
@@ -89,12 +91,25 @@ class Scheduler:
         if fleet.size * plan.tp != self.rollout_ranks:
             raise ValueError(f"round {plan.index} plans TP {plan.tp} over {self.rollout_ranks} rollout ranks, "
                              f"i.e. {self.rollout_ranks // plan.tp} engines; got {fleet.size}")
+        if plan.n_responses < self.cfg.r0:
+            raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={self.cfg.r0}")
         trigger = (HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, fleet.size)
                    if handoff is not None and plan.kind is RoundKind.LONG else None)
+
+        def launch(prompt: Prompt) -> GroupLaunch:
+            prefix = f"p{prompt.uid}e{prompt.epoch}r"  # ``Sample.request_id``
+            # seeds from the run's seed, the round and the request id (``GroupLaunch.seed``)
+            return GroupLaunch(0, prompt, plan.n_responses, self.cfg.r0, prefix,
+                               f"{self.sampling.seed or 0}:{plan.index}:{prefix}", self.sampling,
+                               scored=self.async_reward, reward_key=f"p{prompt.uid}")
+
+        def replacement() -> GroupLaunch | None:
+            prompt = self.policy.replacement(plan.kind, self.queue, self.source)
+            return None if prompt is None else launch(prompt)
+
         runner = RoundRunner(
-            plan, r0=self.cfg.r0, driver=EngineDriver(fleet, progress=trigger is not None), sampling=self.sampling,
-            async_reward=self.async_reward, keeps=self.policy.keeps,
-            replacement=lambda: self.policy.replacement(plan.kind, self.queue, self.source),
+            plan, driver=EngineDriver(fleet, progress=trigger is not None), launches=[launch(p) for p in plan.prompts],
+            async_reward=self.async_reward, keeps=self.policy.keeps, replacement=replacement,
             on_group_done=on_group_done, handoff=trigger)
         with _no_collection_during_the_round():
             result = runner.run()
