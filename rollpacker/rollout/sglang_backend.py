@@ -63,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, wait
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -157,6 +157,7 @@ class _ProcessHost:
                                          start_new_session=True, pass_fds=(ring,))
         finally:
             os.close(ring)
+        self._exited = os.pidfd_open(self.proc.pid)  # readable once the host has exited
         try:
             self.conn = self._connect(address, key)
             self.conn.send({"kwargs": kwargs, "cfg": cfg, "engine_id": engine_id, "vocab_size": vocab_size})
@@ -182,6 +183,7 @@ class _ProcessHost:
             self.conn.close()
         if self.doorbell >= 0:  # once: a second close could hit a file that took its number
             os.close(self.doorbell)
+            os.close(self._exited)
             self.doorbell = -1
         if self.proc.returncode is None:  # not reaped yet: its pid still names its group alone
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -203,12 +205,11 @@ class _ProcessHost:
                 time.sleep(0.05)
 
     def _reply(self, method: str, timeout_s: float | None) -> Any:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.conn.poll(1.0):
+        """The host's answer; its exit ends the wait as an answer would (a reply it sent first is read)."""
+        if self.conn not in wait([self.conn, self._exited], timeout_s):
             if self._exit_status() is not None:
                 raise self._died(method)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"engine {self.engine_id}: no answer to {method} within {timeout_s}s")
+            raise TimeoutError(f"engine {self.engine_id}: no answer to {method} within {timeout_s}s")
         try:
             status, value = self.conn.recv()
         except (EOFError, OSError):
@@ -226,9 +227,8 @@ class _ProcessHost:
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     def _died(self, method: str) -> EngineDiedError:
-        deadline = time.monotonic() + 5
-        while (code := self._exit_status()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait([self._exited], 5)  # its connection may close a moment before it exits
+        code = self._exit_status()
         return EngineDiedError(f"engine {self.engine_id}: its sglang host process {self.proc.pid} is gone "
                                f"(exit code {code}) during {method}; its output above says why")
 
