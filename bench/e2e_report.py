@@ -1,7 +1,7 @@
 """The pure logic of ``bench/e2e.py``: modes, timing estimators, paired parity statistic, tables.
 
 No torch, no subprocesses: everything here works on ``metrics.jsonl`` records
-(one dict per step) and small dicts, so ``tests/test_e2e_bench.py`` checks it
+(one dict per step) and small dicts, so ``tests/unit/test_e2e_bench.py`` checks it
 with synthetic records in milliseconds.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ On the GPU machine (one GPU, no package index; bring the wheels made by bench/gp
     PYTHONPATH=/tmp/site:$PWD python3 -m bench.gpu_acceptance --device cuda --out OUT
 
 Anywhere, as a dry run of the same code on tiny shapes (the test suite runs it, with ``--skip`` for
-the checks another test already runs: tests/test_gpu_acceptance.py says which)::
+the checks another test already runs: tests/integration/test_gpu_acceptance.py says which)::
 
     python -m bench.gpu_acceptance --device cpu --out OUT [--jobs 2]
 
@@ -232,7 +232,7 @@ def check_names(device: torch.device) -> list[str]:
             + [f"{sizes.shape_name}/{c}" for c in ("trainer_throughput", "engine_throughput", "weight_sync",
                                                    "host_weight_transport", "sglang_throughput")]
             + [f"{sizes.widths_name}/trainer_throughput"]
-            # the one-call kernels have no CPU backward (tests/test_packed_attention.py covers the rest)
+            # the one-call kernels have no CPU backward (tests/unit/test_packed_attention.py covers the rest)
             + (["attention/packed_kernels"] if device.type == "cuda" else [])
             + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching"])
 

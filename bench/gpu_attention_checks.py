@@ -1,7 +1,7 @@
 """Packed attention's one-call kernels on the GPU (see bench/gpu_acceptance.py; CUDA only).
 
 FlashAttention's varlen kernel and compiled FlexAttention have no CPU backward, so the CPU suite
-(``tests/test_packed_attention.py``) proves the project's plumbing around them and FlexAttention's
+(``tests/unit/test_packed_attention.py``) proves the project's plumbing around them and FlexAttention's
 eager arithmetic; this check runs the real kernels. bf16 at Qwen2.5-7B's heads (28 query, 4 KV,
 dim 128) on long-tailed spans: the output and gradients of each one-call path, and of per-sequence
 SDPA, against fp32 per-sequence attention of the same inputs. A one-call path may be at most twice

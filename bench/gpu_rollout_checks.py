@@ -167,9 +167,9 @@ def check_weight_sync(subject: Subject) -> dict[str, Any]:
 # The sync check of each step, by backend: the reference engine reads its weights back (run.verify_sync,
 # exact); sglang cannot, so the trainer's log-probs of the engine's samples must agree with the
 # engine's own. fp32 on CPU: the largest per-token gap (train/logprob_mismatch_max) is 2.9e-6 on SGLang,
-# 4.5e-6 on the reference engine (tests/test_stale_sync.py prints both), bound at 3e-5; on a GPU the
-# engine's bf16 kernels differ from the trainer's token by token, so there the verdict is on the mean
-# over tokens (train/logprob_mismatch), and the maximum is recorded.
+# 4.5e-6 on the reference engine (tests/integration/test_stale_sync.py prints both), bound at 3e-5; on a
+# GPU the engine's bf16 kernels differ from the trainer's token by token, so there the verdict is on the
+# mean over tokens (train/logprob_mismatch), and the maximum is recorded.
 LOGPROB_MISMATCH_CHECK = {"cpu": ("train/logprob_mismatch_max", 3e-5), "cuda": ("train/logprob_mismatch", 1e-2)}
 
 

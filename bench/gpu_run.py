@@ -17,7 +17,7 @@ rewritten after every step, so a call cut short keeps what finished. OUT gets at
 ``MAX_OUT_FILES`` small files (summary, log, the trainer profiles, the programs' metrics); models,
 sites and logs stay in the work folder.
 
-The CPU dry run of the same command (the suite runs it: tests/test_gpu_run.py) takes ``--device cpu``,
+The CPU dry run of the same command (the suite runs it: tests/integration/test_gpu_run.py) takes ``--device cpu``,
 the CPU dry run's tiny shapes and budgets, and sglang from the interpreter's environment when no
 bundle is given. ``--plan`` prints the steps and budgets without running anything.
 """

@@ -6,7 +6,7 @@
 A generated block sits between ``<!-- bench.report NAME -->`` and
 ``<!-- /bench.report -->`` and is produced only from ``bench/results/NAME.json``,
 whose command, commit, date, machine and load average it prints;
-``tests/test_readme_figures.py`` runs ``--check``, so a figure in such a block
+``tests/unit/test_readme_figures.py`` runs ``--check``, so a figure in such a block
 cannot drift from its raw result.
 """
 from __future__ import annotations

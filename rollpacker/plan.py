@@ -49,9 +49,9 @@ BF16, FP32 = 2, 4
 # trainer process and, with SGLang, one scheduler process per engine set built.
 CUDA_CONTEXT_BYTES = 720 * 10**6
 # megatron_ext/logprobs.py works on chunks of LOGPROB_CHUNK_TOKENS tokens (the same constant there;
-# tests/test_plan.py checks they agree). Its peak beside the bf16 logits: LOGIT_FP32_COPIES fp32
+# tests/unit/test_plan.py checks they agree). Its peak beside the bf16 logits: LOGIT_FP32_COPIES fp32
 # [chunk, V/tp] tensors in the forward (log-probs, then the entropy); in the backward, the logits'
-# gradient [tokens, V/tp] (their dtype) plus as many chunks (tests/test_plan.py measures both).
+# gradient [tokens, V/tp] (their dtype) plus as many chunks (tests/unit/test_plan.py measures both).
 LOGPROB_CHUNK_TOKENS = 2048
 LOGIT_FP32_COPIES = 2
 VOCAB_MULTIPLE = 128  # megatron_ext.model.padded_vocab_size: rows padded to 128 * tp

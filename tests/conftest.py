@@ -30,17 +30,18 @@ from tests.sglang_gpu import env as sglang_gpu_env
 
 # node id prefix -> why CI may skip it
 ALLOWED_CI_SKIPS = {
-    "tests/test_trl_bench.py": "TRL is not a dependency: its comparison runs only where a user installed trl",
+    "tests/integration/test_trl_bench.py":
+        "TRL is not a dependency: its comparison runs only where a user installed trl",
 }
 
 # the files of over a minute, longest first (``--durations`` of a sequential clean-clone run: 453, 180,
 # 262, 205, 121, 100, 90, 76, 58, 45 s); the second is not an SGLang one, so that one worker has work
 # while the first waits for the venv's build; test_sglang_gpu_bundle.py (45-70 s once built) goes where
 # its background build (1.5 minutes from nothing on an idle machine, about 5 beside the first files) is done
-LONGEST_FIRST = ("test_sglang_real.py", "test_train_program.py", "test_multinode.py", "test_gpu_acceptance.py",
-                 "test_resume_shipped.py", "test_stale_sync.py", "test_eval.py", "test_slurm_launch.py",
+LONGEST_FIRST = ("test_sglang_real.py", "test_train_program.py", "test_multinode_procs.py", "test_gpu_acceptance.py",
+                 "test_resume_shipped.py", "test_stale_sync.py", "test_eval_procs.py", "test_slurm_launch.py",
                  "test_sglang_gpu_bundle.py", "test_console.py", "test_own_model.py", "test_package.py",
-                 "test_checkpoint_faults.py", "test_policy_quality.py")
+                 "test_checkpoint_faults_procs.py", "test_policy_quality_slow.py")
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -80,7 +81,7 @@ def _build_in_turn(builds: list) -> None:
     """The builds one after another, the CPU venv first: its tests run first, and with both at once (each
     installing gigabytes) the CPU venv's build took 886 s instead of about 100 on 2 cores. Each is waited
     for, so reaped as soon as it ends: a finished child left unwaited is a zombie of this process, which
-    tests that count this process's zombies would see (tests/test_reward_pool.py)."""
+    tests that count this process's zombies would see (tests/integration/test_reward_pool.py)."""
     for start, log in builds:
         with _build_lock:
             if _session_over:

@@ -34,7 +34,7 @@ import psutil
 import pytest
 
 from rollpacker.testing import REPO_ROOT
-from procgroup import kill_group  # tests/ is on sys.path, as for test_slurm_launch.py
+from procgroup import kill_group  # tests/ is on sys.path: the test files that import this put it there
 from slurm_cluster import free_ports
 
 

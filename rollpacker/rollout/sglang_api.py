@@ -5,8 +5,8 @@ venv); 0.5.17 is the newest release that pins torch 2.11.0, which is what a GPU 
 package index may hold. ``SGLANG_API`` lists every sglang method and keyword the backend calls in
 both; ``SURFACES`` holds, per release, everything in which they differ for the backend (each field
 cites the source line of both). ``SGLangCalls`` is the only door to the engine and refuses anything
-outside its release's table, and ``tests/test_sglang_backend.py`` checks each release's surface
-against the source of that release's wheel.
+outside its release's table, and ``tests/integration/test_sglang_backend_procs.py`` checks each
+release's surface against the source of that release's wheel.
 
 The installed release is read once per process from its distribution metadata
 (``installed_surface``), without importing sglang, and only where an engine is started (the engine

@@ -1,4 +1,5 @@
-"""pytest fixtures shared by tests/test_megatron_model.py and tests/test_convert.py."""
+"""pytest fixtures shared by tests/unit/test_megatron_model.py, tests/unit/test_convert.py and
+tests/integration/test_convert_procs.py."""
 from __future__ import annotations
 
 import pytest

@@ -7,7 +7,7 @@ gradient sync before the warm-up); here it raises ``PastValidation``, so the run
 point on CPU. Each rank prints ACCEPTED when the schedule got there with ``schedule_groups(...)``,
 REFUSED when it rejected ``pg_collection`` alone (the old call), and ``OTHER ...`` for anything else.
 Recorded run with the subject broken (``schedule_groups`` returning ``pg_collection`` alone): every
-line read REFUSED, so tests/test_trainer.py's count of ACCEPTED fails.
+line read REFUSED, so tests/integration/test_trainer_procs.py's count of ACCEPTED fails.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The version is 0.5.23 (the pin) unless ``ROLLPACKER_SGLANG_VERSION`` names another supported one
 (``rollpacker.rollout.sglang_api.SUPPORTED_SGLANG``): ``ROLLPACKER_SGLANG_VERSION=0.5.17 python -m
-pytest tests/test_sglang_real.py`` runs the real-engine tests against 0.5.17 in a venv of its own
+pytest tests/integration/test_sglang_real.py`` runs the real-engine tests against 0.5.17 in a venv of its own
 (not part of the default CI run).
 
 ``pip install sglang`` cannot work here: the wheels pin CUDA torch builds (0.5.23: 2.14.1, 0.5.17:

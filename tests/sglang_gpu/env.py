@@ -1,6 +1,6 @@
 """The GPU machine's package set and the carried SGLang 0.5.17 bundle, built and cached by the tests themselves.
 
-``tests/test_sglang_gpu_bundle.py`` imports sglang's Engine path from the bundle on the packages the GPU
+``tests/integration/test_sglang_gpu_bundle.py`` imports sglang's Engine path from the bundle on the packages the GPU
 machine has, on this CPU (``bench/sglang_imports.py --fake-cuda``). Its two inputs live in
 ``<repo>/.cache/sglang-gpu/`` (git-ignored), each rebuilt only when the stamp of its inputs changes:
 
