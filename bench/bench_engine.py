@@ -31,7 +31,7 @@ from bench.results import REPO, write_results
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.testing import REPO_ROOT, make_random_qwen2
+from testkit import REPO_ROOT, make_random_qwen2
 
 RANDOM_MODEL = dict(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

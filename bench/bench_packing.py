@@ -34,7 +34,7 @@ from bench.results import REPO, write_results
 from megatron_ext.parallel import setup_layout
 from rollpacker.examples import task
 from rollpacker.sample import Prompt, Sample
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 from rollpacker.trainer.backend import Backend, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch, pack, sequence_length

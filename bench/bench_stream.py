@@ -80,7 +80,7 @@ from rollpacker.runtime.world import World  # noqa: E402
 from rollpacker.sample import Prompt, Sample  # noqa: E402
 from rollpacker.scheduler import Scheduler  # noqa: E402
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig  # noqa: E402
-from rollpacker.testing import make_random_qwen2, run_torchrun  # noqa: E402
+from testkit import make_random_qwen2, run_torchrun  # noqa: E402
 from rollpacker.trainer.config import TrainerConfig  # noqa: E402
 from rollpacker.trainer.trainer import Trainer  # noqa: E402
 

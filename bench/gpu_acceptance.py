@@ -250,7 +250,7 @@ def make_shape_model(device: torch.device, work: Path) -> None:
     (bench/gpu_run.py) leaves none that the next check would take for whole."""
     import shutil
 
-    from rollpacker.testing import make_random_qwen2
+    from testkit import make_random_qwen2
 
     sizes = GPU if device.type == "cuda" else CPU
     model_dir = work / sizes.shape_name

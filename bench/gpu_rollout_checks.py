@@ -18,7 +18,7 @@ from rollpacker.hf_spec import parse_spec
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.rollout.sglang_args import free_base_port
+from testkit import free_base_port
 from rollpacker.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollpacker.testing import kill_group
+from testkit import kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_OUT_FILES = 8

@@ -51,7 +51,7 @@ from rollpacker.plan import FP32, BF16, engine_weight_bytes, kv_bytes_per_token
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.rollout.sglang_args import free_base_port
+from testkit import free_base_port
 from rollpacker.trainer.trainer import Trainer
 
 BF16_TIE_MARGIN = 0.1  # nats; module docstring

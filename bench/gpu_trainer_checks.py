@@ -388,7 +388,7 @@ def random_model_subject(work: Path, name: str, shape: dict[str, Any], device: t
                          *, lr: float = 2e-5, seed: int = 11) -> Subject:
     """A subject over a random Qwen2 checkpoint of ``shape`` (HF config keys) in ``work/name``, written
     once (Qwen2.5-7B widths with 4 layers: about 8 GB of fp32 safetensors); bf16 on CUDA, fp32 on CPU."""
-    from rollpacker.testing import make_random_qwen2
+    from testkit import make_random_qwen2
 
     model_dir = work / name
     if not (model_dir / "config.json").exists() or not any(model_dir.glob("*.safetensors")):

@@ -19,7 +19,7 @@ from megatron_ext.parallel import setup_layout
 from megatron_ext.sdpa_attention import packed_attention_paths
 from rollpacker.hf_spec import parse_spec
 from rollpacker.sample import Prompt, Sample
-from rollpacker.testing import make_random_qwen2
+from testkit import make_random_qwen2
 from rollpacker.trainer.backend import micro_batch_loss
 from rollpacker.trainer.packing import build_micro_batch
 from rollpacker.trainer.trainer import Trainer

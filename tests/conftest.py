@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.testing import kill_group
+from testkit import kill_group
 from tests.sglang_cpu.env import CACHE, build_in_background, sglang_python
 from tests.sglang_gpu import env as sglang_gpu_env
 

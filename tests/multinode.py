@@ -33,7 +33,7 @@ from typing import Callable
 import psutil
 import pytest
 
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 from procgroup import kill_group  # tests/ is on sys.path: the test files that import this put it there
 from slurm_cluster import free_ports
 

@@ -3,7 +3,6 @@ arguments for a GPU or a CPU engine (sglang 0.5.17 and 0.5.23 take the same ones
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -152,24 +151,3 @@ def _cpu_list(cpus: list[int]) -> str:
     if len(cpus) > 1 and cpus[-1] - cpus[0] == len(cpus) - 1:
         return f"{cpus[0]}-{cpus[-1]}"
     return ",".join(map(str, cpus))
-
-
-def free_base_port(*tps: int, local_ranks: int = 1) -> int:
-    """An ``rollout.sglang_base_port`` that the config accepts and whose engine ports for TP sizes
-    ``tps`` and node-local ranks ``0..local_ranks-1`` are free now: for runs that share a machine
-    with others (tests, acceptance checks), where the fixed default could collide."""
-    from rollpacker.configlib import ConfigError
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            RolloutConfig(backend="sglang", sglang_base_port=base).validate()
-            for port in [p for rank in range(local_ranks) for tp in tps for p in engine_ports(base, rank, tp)]:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except (ConfigError, OSError):
-            continue
-        return base
-    raise RuntimeError("no free sglang base port found in 100 tries")

@@ -1,1 +1,1 @@
-"""torchrun scripts that tests launch with rollpacker.testing.run_torchrun."""
+"""torchrun scripts that tests launch with testkit.run_torchrun."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2, make_random_qwen3
+from testkit import make_random_qwen2, make_random_qwen3
 
 
 @pytest.fixture(scope="module")

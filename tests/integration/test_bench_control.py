@@ -15,7 +15,7 @@ import sys
 
 from bench import report
 from bench.bench_control import R0, RESPONSES
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 ENGINES, ROUNDS = (2, 4), 2
 

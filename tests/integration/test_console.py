@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.testing import REPO_ROOT, kill_group
+from testkit import REPO_ROOT, kill_group
 
 CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 FIRST_LINE_BOUND_S = 10.0

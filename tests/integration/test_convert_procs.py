@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollpacker.testing import run_torchrun
+from testkit import run_torchrun
 from tests.dist.megatron_fixtures import ckpts  # noqa: F401  (pytest fixture)
 from tests.unit.test_convert import assert_same_checkpoint
 from tests.unit.test_megatron_model import LOGPROB_GRAD_TOL

@@ -25,7 +25,7 @@ from rollpacker.control.fleet import EngineClient, NewsInbox, RemoteFleet
 from rollpacker.scheduler.calls import End, Retire, Stats
 from rollpacker.control.transport import Endpoint, PeerLostError
 from rollpacker.runtime.streaming import GroupInbox
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 
 class Fake:

@@ -11,7 +11,7 @@ from rollpacker import generate
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.testing import make_random_qwen2, run_torchrun
+from testkit import make_random_qwen2, run_torchrun
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rollpacker.testing import make_random_checkpoint, run_torchrun
+from testkit import make_random_checkpoint, run_torchrun
 
 # family -> config overrides of its random checkpoints (Qwen3: head_dim 32 != hidden 64 / 4 heads, and tied)
 SHAPES = {"qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),

@@ -21,7 +21,7 @@ import pytest
 
 from rollpacker.config import load_config
 from rollpacker.eval import EvalRecord, summarize
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))  # the integration tests this one borrows from
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: procgroup.py

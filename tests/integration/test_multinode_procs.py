@@ -26,8 +26,7 @@ import pytest
 
 from tests.bounds import CPU_SYNC_BOUND
 from rollpacker.control.transport import SILENT_PEER_S
-from rollpacker.rollout.sglang_args import free_base_port
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT, free_base_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # the integration tests this one borrows from
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: multinode.py

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollpacker.testing import REPO_ROOT, make_random_qwen2, run_in_session
+from testkit import REPO_ROOT, make_random_qwen2, run_in_session
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.testing import REPO_ROOT, run_in_session
+from testkit import REPO_ROOT, run_in_session
 
 COMMANDS = ("train", "generate", "reward", "sim", "plan", "convert", "prepare")
 HEAVY = ("torch", "transformers", "megatron")

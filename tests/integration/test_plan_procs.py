@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 
 def test_cli_prints_the_plan():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollpacker.examples.policy_report import evaluate_policy
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 EVAL = REPO_ROOT / "assets" / "data" / "eval.jsonl"

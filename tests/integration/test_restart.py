@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from rollpacker.runtime.world import attempt_store
-from rollpacker.testing import run_torchrun
+from testkit import run_torchrun
 
 AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1", "GROUP_WORLD_SIZE": "1"}
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker.runtime.ledger import read_ledger
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))  # the integration tests this one borrows from
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: procgroup.py

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from rollpacker.reward import RewardConfig, RewardPool
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 SLEEPY = "```python\nimport time\ntime.sleep({seconds})\nprint('done')\n```"
 DONE = [{"stdin": "", "stdout": "done"}]

@@ -23,7 +23,7 @@ from rollpacker.reward import RewardConfig, RewardPool
 from rollpacker.reward.service import RemoteRewardSink, RewardService
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.sample import Prompt, Sample
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 ANSWERS = ["The answer is \\boxed{7}.", "It is \\boxed{8}.", "no answer here", "\\boxed{7}"]
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.bounds import CPU_SYNC_BOUND
-from rollpacker.rollout.sglang_args import free_base_port
-from rollpacker.testing import kill_group, run_in_session
+from testkit import free_base_port, kill_group, run_in_session
 from tests.sglang_cpu.env import REPO, engine_env
 
 CHECKS = Path(__file__).resolve().parents[1] / "sglang_cpu" / "host_checks.py"

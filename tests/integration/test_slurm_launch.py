@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))  # the integration tests this one borrows from
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: slurm_cluster.py

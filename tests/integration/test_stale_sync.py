@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 from tests.bounds import CPU_SYNC_BOUND
-from rollpacker.rollout.sglang_args import free_base_port
-from rollpacker.testing import run_torchrun
+from testkit import free_base_port, run_torchrun
 from tests.sglang_cpu.env import REPO
 from tests.integration.test_sglang_real import PROGRAM_TIMEOUT_S, run_in_venv
 from tests.integration.test_train_program import FAST

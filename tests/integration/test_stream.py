@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollpacker.testing import make_random_qwen2, run_torchrun
+from testkit import make_random_qwen2, run_torchrun
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker.runtime.ledger import read_ledger
-from rollpacker.testing import REPO_ROOT, kill_group, run_torchrun
+from testkit import REPO_ROOT, kill_group, run_torchrun
 
 POLICY = REPO_ROOT / "assets" / "policy"
 pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
@@ -253,7 +253,7 @@ def test_a_random_qwen3_policy_trains_syncs_and_exports(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM
 
-    from rollpacker.testing import make_random_qwen3
+    from testkit import make_random_qwen3
 
     policy = make_random_qwen3(tmp_path / "qwen3", seed=5, vocab_size=json.loads(
         (POLICY / "config.json").read_text())["vocab_size"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2, make_random_qwen3, run_torchrun
+from testkit import make_random_qwen2, make_random_qwen3, run_torchrun
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.trainer import Trainer
 from tests.dist.trainer_tp import STEP_CONFIG, two_steps

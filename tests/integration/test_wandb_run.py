@@ -22,7 +22,7 @@ import pytest
 from rollpacker.metrics import SECTIONS
 from rollpacker.rollout_report import MIGRATED_COLOUR, OUTCOME_COLOURS, TABLE_COLUMNS
 from rollpacker.scheduler.round import Outcome
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_program import POLICY, _lines, _metrics, _train  # noqa: E402

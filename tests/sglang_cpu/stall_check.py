@@ -138,7 +138,7 @@ class BackendEngine:
     def __init__(self, ref):
         from engine_checks import CPU_ENGINE_ARGS
         from rollpacker.rollout.config import RolloutConfig
-        from rollpacker.rollout.sglang_args import free_base_port
+        from testkit import free_base_port
         from rollpacker.rollout.sglang_backend import SGLangEngine
         self.ref, self.calls = ref, 0
         cfg = RolloutConfig(backend="sglang", sglang_base_port=free_base_port(1),

@@ -17,7 +17,7 @@ from rollpacker.configlib import ConfigError
 from rollpacker.metrics import MetricsLogger
 from rollpacker.runtime.ledger import PromptLedger
 from rollpacker.runtime.preflight import check_weights, preflight
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 

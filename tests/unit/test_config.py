@@ -7,7 +7,7 @@ import pytest
 
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError
-from rollpacker.testing import REPO_ROOT, make_random_qwen2
+from testkit import REPO_ROOT, make_random_qwen2
 
 CONFIGS = REPO_ROOT / "configs"
 

@@ -13,7 +13,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.qwen_torch import iter_safetensors
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.testing import REPO_ROOT, make_random_checkpoint, make_random_qwen2, make_random_qwen3
+from testkit import REPO_ROOT, make_random_checkpoint, make_random_qwen2, make_random_qwen3
 
 torch.set_num_threads(1)
 POLICY = REPO_ROOT / "assets" / "policy"

@@ -7,7 +7,7 @@ import torch
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, RequestError, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 torch.set_num_threads(1)
 POLICY = REPO_ROOT / "assets" / "policy"

@@ -12,7 +12,7 @@ import pytest
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.eval import EvalConfig, EvalRecord, EvalSampling, pass_at_k, summarize
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"

@@ -11,7 +11,7 @@ import pytest
 from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError, to_dict
 from rollpacker.runtime.preflight import fit_to_nodes, preflight
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 pytestmark = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")

@@ -43,7 +43,7 @@ from megatron_ext.model import build_model
 from megatron_ext.sdpa_attention import packed_attention_paths, set_packed_attention
 from megatron_ext.weights import load_hf_checkpoint
 from rollpacker.configlib import ConfigError
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 from rollpacker.trainer.config import TrainerConfig
 from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
 

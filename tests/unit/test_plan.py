@@ -11,7 +11,7 @@ from rollpacker.config import load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.hf_spec import parse_spec
 from rollpacker.scheduler.config import PlannerConfig
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
 
 CONFIGS = REPO_ROOT / "configs"
@@ -242,7 +242,7 @@ def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
 def test_recompute_reaches_megatron_and_keeps_the_gradients(layout, tmp_path):
     from megatron_ext.model import build_model
     from megatron_ext.weights import load_hf_checkpoint
-    from rollpacker.testing import make_random_qwen2
+    from testkit import make_random_qwen2
     model_dir = make_random_qwen2(tmp_path / "m")
     ids = torch.randint(0, 250, (2, 32))
     pos = torch.arange(32).expand(2, 32)

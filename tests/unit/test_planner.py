@@ -8,7 +8,7 @@ import pytest
 from rollpacker.configlib import ConfigError
 from rollpacker.scheduler import ParallelismPlanner, RoundKind, TPProfile
 from rollpacker.scheduler.config import PlannerConfig
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 SHORT, LONG = RoundKind.SHORT, RoundKind.LONG
 

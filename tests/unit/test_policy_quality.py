@@ -16,7 +16,7 @@ import pytest
 from rollpacker.examples.policy_report import report_from_lengths
 from rollpacker.stats import spearman
 from rollpacker.examples.task import MAX_STEPS, TASK_NAME
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 EVAL = REPO_ROOT / "assets" / "data" / "eval.jsonl"

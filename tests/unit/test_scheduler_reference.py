@@ -17,7 +17,7 @@ from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, LocalFleet, RealClock, RoundKind, Scheduler
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig
 from rollpacker.sim.reward import SimScore
-from rollpacker.testing import make_random_qwen2
+from testkit import make_random_qwen2
 
 
 class ThreadSink:

@@ -8,7 +8,7 @@ import pytest
 
 from rollpacker.examples import task
 from rollpacker.examples.tokenizer import build_tokenizer, save_tokenizer, user_prompt
-from rollpacker.testing import make_random_qwen2
+from testkit import make_random_qwen2
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_ext.parallel import setup_layout, teardown_layout
-from rollpacker.testing import make_random_qwen2
+from testkit import make_random_qwen2
 from rollpacker.trainer.backend import logprobs_only
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch

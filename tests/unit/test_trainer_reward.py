@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.bounds import CPU_SYNC_BOUND
-from rollpacker.testing import REPO_ROOT
+from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
 DATA = REPO_ROOT / "assets" / "data"

@@ -1,13 +1,19 @@
-"""Small, deterministic artefacts for tests and benchmarks (never downloaded)."""
+"""What the tests and the benchmarks share: small deterministic checkpoints (never downloaded),
+subprocess runs that leave nothing behind, and a free SGLang base port. Not part of the package."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from rollpacker.configlib import ConfigError
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.rollout.sglang_args import engine_ports
+
+REPO_ROOT = Path(__file__).resolve().parent
 
 
 # Per family: the transformers classes and the defaults of its random checkpoints.
@@ -94,3 +100,22 @@ def run_torchrun(nproc: int, args: list[str], *, timeout: float = 600, env: dict
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def free_base_port(*tps: int, local_ranks: int = 1) -> int:
+    """An ``rollout.sglang_base_port`` that the config accepts and whose engine ports for TP sizes
+    ``tps`` and node-local ranks ``0..local_ranks-1`` are free now: for runs that share a machine
+    with others (tests, acceptance checks), where the fixed default could collide."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            RolloutConfig(backend="sglang", sglang_base_port=base).validate()
+            for port in [p for rank in range(local_ranks) for tp in tps for p in engine_ports(base, rank, tp)]:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except (ConfigError, OSError):
+            continue
+        return base
+    raise RuntimeError("no free sglang base port found in 100 tries")
