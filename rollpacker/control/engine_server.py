@@ -25,7 +25,6 @@ from rollpacker.control.transport import ENGINE_SERVER_PORT, Channel, bind, cont
 from rollpacker.rollout.engine import RequestError, RolloutEngine
 from rollpacker.scheduler.group_race import GroupRace, RaceNews, RaceReport
 from rollpacker.scheduler.protocols import RewardSink
-from rollpacker.wakeup import Wakeup
 
 
 class _AlignedClock:
@@ -49,10 +48,8 @@ class EngineServer:
     """
 
     def __init__(self):
-        self._channel = Channel(zmq.REP, "the coordinator (rank 0)")
+        self._channel = Channel(zmq.REP, "the coordinator (rank 0)", wakeable=True)  # a score wakes it
         self.port = bind(self._channel.sock, ENGINE_SERVER_PORT)
-        self.wakeup = Wakeup()  # what a score wakes
-        self._channel.also_wake_on(self.wakeup.fd)
         self._engine: RolloutEngine | None = None
         self._reward: RewardSink | None = None
         self._race: GroupRace | None = None
@@ -71,7 +68,7 @@ class EngineServer:
         self._engine, self._reward = engine, reward
         ready = engine.ready_fd()
         if ready is not None:
-            self._channel.also_wake_on(ready)
+            self._channel.waiter.watch(ready)
         try:
             while True:
                 polled = ready is None and self._race is not None and self._race.generating
@@ -82,7 +79,7 @@ class EngineServer:
                 self._advance(wait_s if polled else 0.0)
         finally:
             if ready is not None:
-                self._channel.stop_waking_on(ready)
+                self._channel.waiter.unwatch(ready)
 
     def _answer(self) -> StopReason | None:
         """Answer the call waiting on the socket; why serving ends, if it does."""
@@ -102,7 +99,6 @@ class EngineServer:
     def _advance(self, wait_s: float = 0.0) -> None:
         """Step the race (the engine may wait up to ``wait_s`` for a completion); what it has to
         tell goes to the coordinator's news inbox."""
-        self.wakeup.drain()  # before the race looks at the scores its wakers handed over
         if self._race is not None:
             news = self._race.step(wait_s)
             if news.done or (self._round.progress and news.finished):
@@ -134,12 +130,11 @@ class EngineServer:
 
     def _wake(self) -> None:
         """A score came for the race (from the reward pool's thread)."""
-        self.wakeup.wake()
+        self._channel.waiter.wake()
 
     def close(self) -> None:
         if self._outbox is not None:
             self._outbox.close(linger=0)
-        self.wakeup.close()
         self._channel.close()
 
     def _handle(self, call: Call) -> Reply:

@@ -26,7 +26,7 @@ from rollpacker.scheduler.calls import Call, Launch, Reply, Retire, RoundContext
 from rollpacker.scheduler.clock import Clock, RealClock, VirtualClock
 from rollpacker.scheduler.fleet import LocalFleet, News
 from rollpacker.scheduler.protocols import RewardSink
-from rollpacker.wakeup import Wakeup
+from rollpacker.wakeup import Waiter
 
 class NewsInbox:
     """Rank 0's inbox of the remote races' news: the server of each ``EngineClient`` made with it
@@ -42,21 +42,16 @@ class NewsInbox:
         # prompt's request ids come back in a later round, and a stale response would pass for its own
         self.round = 0
         self.progress = False  # this round's servers also push each response generated
-        self._wakeup = Wakeup()
-        self.woken = False  # the last ``collect`` was woken
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wakeup.fd, zmq.POLLIN)
+        self._waiter = Waiter(self.sock)
         self._watched: list[int] = []
+        self.woken = False  # the last ``collect`` was woken
 
     def watch(self, fds: Sequence[int]) -> None:
         """A wait in ``collect`` also ends when one of ``fds`` turns readable (the ready descriptors
         of the engines rank 0 races itself); replaces the last call's."""
-        for fd in self._watched:
-            self._poller.unregister(fd)
+        self._waiter.unwatch(*self._watched)
         self._watched = list(fds)
-        for fd in self._watched:
-            self._poller.register(fd, zmq.POLLIN)
+        self._waiter.watch(*self._watched)
 
     def new_round(self, progress: bool = False) -> None:
         """From now on only pushes tagged with the next round count (clients tell their servers at
@@ -78,7 +73,7 @@ class NewsInbox:
 
     def wake(self) -> None:
         """Make a waiting (or the next) ``collect`` return; safe from any thread, and after ``close``."""
-        self._wakeup.wake()
+        self._waiter.wake()
 
     def collect(self, timeout_s: float = 0.0) -> News:
         """The news pushed this round since the last call, as (engine index, news); when none had
@@ -88,11 +83,9 @@ class NewsInbox:
         self.woken = False
         if out or timeout_s <= 0:
             return out
-        events = dict(self._poller.poll(int(timeout_s * 1000)))
-        self.woken = self._wakeup.fd in events
-        if self.woken:
-            self._wakeup.drain()
-        return self._take() if self.sock in events else []
+        ready = self._waiter.wait(int(timeout_s * 1000))
+        self.woken = self._waiter.woken
+        return self._take() if self.sock in ready else []
 
     def _take(self) -> News:
         out: News = []
@@ -113,7 +106,7 @@ class NewsInbox:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        self._wakeup.close()
+        self._waiter.close()
 
 
 class EngineClient:

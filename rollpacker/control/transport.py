@@ -18,6 +18,8 @@ import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from rollpacker.wakeup import Waiter
+
 # A dead process's connections close at once. A node that drops off the network sends nothing, so
 # the kernel probes an idle connection (TCP keepalive: after 10 s idle, every 5 s, 3 misses) and
 # drops it within about 25 s, which the socket's monitor reports like a hang-up. Unlike ZeroMQ's
@@ -54,9 +56,11 @@ class PeerLostError(ConnectionError):
 
 
 class Channel:
-    """A ZeroMQ socket of ``kind`` that notices when a peer hangs up (its socket monitor)."""
+    """A ZeroMQ socket of ``kind`` that notices when a peer hangs up (its socket monitor). Its
+    ``ready`` sleeps on its ``waiter``, which may watch more descriptors (an engine that rings when
+    it has a completion) and, ``wakeable``, be woken by another thread."""
 
-    def __init__(self, kind: int, peer: str):
+    def __init__(self, kind: int, peer: str, *, wakeable: bool = False):
         self.sock = context().socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         for option, value in _KEEPALIVE:
@@ -64,21 +68,13 @@ class Channel:
         self.peer = peer
         self._lost: str | None = None  # the endpoint that hung up, once one has
         self._hangups = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._poller = zmq.Poller()
-        self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._hangups, zmq.POLLIN)
-
-    def also_wake_on(self, fd: int) -> None:
-        """``ready`` also returns (False) when ``fd`` turns readable: a waiter's other news."""
-        self._poller.register(fd, zmq.POLLIN)
-
-    def stop_waking_on(self, fd: int) -> None:
-        self._poller.unregister(fd)
+        self.waiter = Waiter(self.sock, self._hangups, wakeable=wakeable)
 
     def ready(self, timeout_ms: int | None) -> bool:
-        """Whether a message waits (within ``timeout_ms``; None: until one does). Raises
-        ``PeerLostError`` when none does and a peer has hung up; one sent before that comes first."""
-        events = dict(self._poller.poll(0 if self._lost else timeout_ms))
+        """Whether a message waits (within ``timeout_ms``; None: until one does, or a wake or a
+        watched descriptor ends the wait). Raises ``PeerLostError`` when none does and a peer has
+        hung up; one sent before that comes first."""
+        events = self.waiter.wait(0 if self._lost else timeout_ms)
         if self.sock in events:
             return True
         if self._hangups in events:
@@ -98,6 +94,7 @@ class Channel:
         self.sock.disable_monitor()
         self._hangups.close(linger=0)
         self.sock.close(linger=0)
+        self.waiter.close()
 
 
 @dataclass(frozen=True)

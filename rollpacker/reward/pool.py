@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -35,7 +36,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -46,7 +47,7 @@ from rollpacker.reward.score import CRASH, ERROR, TIMEOUT, Score
 from rollpacker.reward.scorers import CODE, JUDGE, MATH, scorer_for
 from rollpacker.reward.scorers.code import parse_tests
 from rollpacker.reward.worker import READY, Job, Outcome, WorkerSettings, worker_main
-from rollpacker.wakeup import Wakeup
+from rollpacker.wakeup import Waiter
 
 if TYPE_CHECKING:
     from rollpacker.reward.scorers.judge import LLMJudge
@@ -126,7 +127,8 @@ class RewardPool:
         self._abandoned = False  # the process exits without close(): stop, replace no worker
         self._replaced = self._retried = self._start_failures = 0
         self._all_ready = threading.Event()
-        self._wakeup = Wakeup()  # a submit (or close) wakes the dispatcher
+        # the dispatcher sleeps until a worker answers or dies, a submit (or close) wakes it, or a budget ends
+        self._waiter = Waiter()
         self._slots = [self._start_worker(i) for i in range(cfg.num_workers)]
         self._thread = threading.Thread(target=self._dispatch, name="reward-dispatcher", daemon=True)
         self._thread.start()
@@ -157,7 +159,7 @@ class RewardPool:
             if self._closing:
                 raise RuntimeError("RewardPool.submit after close() or after its dispatcher failed")
             self._queue.put(request)
-        self._wakeup.wake()
+        self._waiter.wake()
         return request.future
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -171,9 +173,9 @@ class RewardPool:
                 return
             self._closing = self._closed = True
         atexit.unregister(self._abandon)
-        self._wakeup.wake()
+        self._waiter.wake()
         self._thread.join()
-        self._wakeup.close()
+        self._waiter.close()
         if self._judge is not None:
             self._judge.close()
 
@@ -221,7 +223,7 @@ class RewardPool:
         multiprocessing's exit handler (registered earlier, so run after this one), they would die
         under a running dispatcher, which would take them for crashes and restart them."""
         self._abandoned = self._closing = True
-        self._wakeup.wake()
+        self._waiter.wake()
         self._thread.join(10)
 
     # ---- workers ------------------------------------------------------------------------
@@ -239,10 +241,13 @@ class RewardPool:
                                     daemon=True)
         process.start()
         theirs.close()
+        self._waiter.watch(ours.fileno(), process.sentinel)
         return _Slot(index, process, ours, scratch)
 
     def _stop_worker(self, slot: _Slot) -> None:
         """Kill and reap the worker, end the program it was running, remove its scratch directory."""
+        if not slot.conn.closed:  # once: a stop that failed midway may be repeated
+            self._waiter.unwatch(slot.conn.fileno(), slot.process.sentinel)
         if slot.process.exitcode is None:  # once reaped, its pid may name another process group
             try:
                 os.killpg(slot.process.pid, signal.SIGKILL)  # the worker leads its own session
@@ -307,15 +312,12 @@ class RewardPool:
                 busy = [s for s in self._slots if s.batch]
                 if self._closing and not busy and not self._retry and self._queue.empty():
                     break
-                timeout = max(0.0, min(s.deadline for s in busy) - time.monotonic()) if busy else None
-                waitables = [self._wakeup.fd] + [s.conn for s in self._slots] + [s.process.sentinel for s in self._slots]
-                ready = wait(waitables, timeout)
+                timeout = math.ceil(max(0.0, min(s.deadline for s in busy) - time.monotonic()) * 1000) if busy else None
+                ready = self._waiter.wait(timeout)  # a wake is drained before the next _assign reads the queue
                 if self._abandoned:
                     break
-                if self._wakeup.fd in ready:
-                    self._wakeup.drain()  # before the next _assign reads the queue
                 for slot in list(self._slots):
-                    if slot.conn in ready:
+                    if slot.conn.fileno() in ready:
                         self._receive(slot)
                 for slot in list(self._slots):
                     if slot.process.sentinel in ready and not slot.process.is_alive():

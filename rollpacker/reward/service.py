@@ -8,7 +8,7 @@ each code test's sandbox uid unique on the node); the node's other ranks reach i
 ZeroMQ: a ``RewardService`` thread beside the pool answers their ``RemoteRewardSink``s.
 
 Each side has one thread that owns its socket (ZeroMQ sockets are not thread-safe) and wakes on
-the socket or on work handed over in memory (``Wakeup``): submitted jobs on the sink's side,
+the socket or on work handed over in memory (a ``Waiter``): submitted jobs on the sink's side,
 scores on the service's. Jobs and scores cross in batches, one message per wake-up. A score's
 future tells its waiter from the sink's thread (``add_done_callback``), as the pool's own futures
 do from its dispatcher.
@@ -33,7 +33,7 @@ from rollpacker.reward.pool import RewardPool
 from rollpacker.reward.sink import PoolRewardSink
 from rollpacker.sample import Sample
 from rollpacker.scheduler.protocols import RewardSink
-from rollpacker.wakeup import Wakeup
+from rollpacker.wakeup import Waiter
 
 log = logging.getLogger(__name__)
 
@@ -47,26 +47,21 @@ class RewardService:
         self._sock.setsockopt(zmq.LINGER, 0)
         self.port = bind(self._sock, REWARD_SERVICE_PORT)
         self._scores: collections.deque[tuple[bytes, int, Any, str | None]] = collections.deque()
-        self._wakeup = Wakeup()
+        self._waiter = Waiter(self._sock)  # a request, or a score (or the close) handed over
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="reward-service", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._closing = True
-        self._wakeup.wake()
+        self._waiter.wake()
         self._thread.join()
         self._sock.close(linger=0)
-        self._wakeup.close()
+        self._waiter.close()
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wakeup.fd, zmq.POLLIN)
         while not self._closing:
-            events = dict(poller.poll())
-            if self._wakeup.fd in events:
-                self._wakeup.drain()
+            events = self._waiter.wait()
             while self._sock in events:
                 try:
                     sender, payload = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -84,7 +79,7 @@ class RewardService:
     def _scored(self, sender: bytes, job_id: int, future: Future) -> None:
         """From the pool's dispatcher thread."""
         self._scores.append((sender, job_id, future.result(), None))
-        self._wakeup.wake()
+        self._waiter.wake()
 
     def _send_scores(self) -> None:
         by_sender: dict[bytes, list[tuple[int, Any, str | None]]] = collections.defaultdict(list)
@@ -111,7 +106,7 @@ class RemoteRewardSink:
         self._outbox: collections.deque[tuple] = collections.deque()
         self._lock = threading.Lock()  # a submit and the sink's thread failing every pending future
         self._lost: str | None = None
-        self._wakeup = Wakeup()
+        self._waiter = Waiter(self._sock, self._hangups)  # a score, a hang-up, or a job (or the close) handed over
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="reward-sink", daemon=True)
         self._thread.start()
@@ -127,26 +122,21 @@ class RemoteRewardSink:
             job_id = next(self._ids)
             self._pending[job_id] = future
             self._outbox.append((job_id, p.data_source, response, p.ground_truth, key, adapt))
-        self._wakeup.wake()
+        self._waiter.wake()
         return future
 
     def close(self) -> None:
         self._closing = True
-        self._wakeup.wake()
+        self._waiter.wake()
         self._thread.join()
         self._sock.disable_monitor()
         self._hangups.close(linger=0)
         self._sock.close(linger=0)
-        self._wakeup.close()
+        self._waiter.close()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        for waitable in (self._sock, self._hangups, self._wakeup.fd):
-            poller.register(waitable, zmq.POLLIN)
         while not self._closing:
-            events = dict(poller.poll())
-            if self._wakeup.fd in events:
-                self._wakeup.drain()
+            events = self._waiter.wait()
             jobs = []
             while self._outbox:
                 jobs.append(self._outbox.popleft())

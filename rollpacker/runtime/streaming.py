@@ -28,7 +28,7 @@ from rollpacker.runtime.world import RolloutLayout
 from rollpacker.sample import SampleGroup
 from rollpacker.scheduler.handoff import HandoffPolicy
 from rollpacker.trainer.stream import StreamTrainer
-from rollpacker.wakeup import Wakeup
+from rollpacker.wakeup import Waiter
 
 Group = SampleGroup
 
@@ -56,12 +56,9 @@ class GroupInbox:
         self._channel.ready(None)
         return self._channel.sock.recv_pyobj()
 
-    def wait(self, wakeup: Wakeup) -> None:
-        """Until a message is here or ``wakeup`` is woken."""
-        poller = zmq.Poller()
-        poller.register(self._channel.sock, zmq.POLLIN)
-        poller.register(wakeup.fd, zmq.POLLIN)
-        poller.poll()
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._channel.sock
 
     def drain(self) -> list[Any]:
         """Every message already here, without waiting."""
@@ -113,7 +110,7 @@ class StreamFeed:
                  window: int = 2):
         self.feed, self.acks, self.replica_of = feed, acks, list(replica_of)
         self.low, self.high, self.window = low, high, window
-        self._wakeup = Wakeup()  # the feeder sleeps until an acknowledgement or a group (or the end) comes
+        self._waiter = Waiter(acks.socket)  # the feeder sleeps until an acknowledgement or a group (or the end) comes
         self._start_round(None)
 
     def policy(self, layout: RolloutLayout) -> HandoffPolicy | None:
@@ -126,14 +123,14 @@ class StreamFeed:
 
     def group_done(self, group: Group) -> None:
         self._incoming.put(group)
-        self._wakeup.wake()
+        self._waiter.wake()
 
     def end_round(self) -> list[Group]:
         """Stop feeding, tell the training replicas the rollout is over; returns the groups they got."""
         ended = RolloutEnded(time.time())
         if self._feeder is not None:
             self._incoming.put(None)
-            self._wakeup.wake()
+            self._waiter.wake()
             self._feeder.join()
         for ranks in self._replicas:
             self.feed.send(ranks, ended)
@@ -143,7 +140,7 @@ class StreamFeed:
 
     def close(self) -> None:
         self.feed.close()
-        self._wakeup.close()
+        self._waiter.close()
 
     # --- internals ---------------------------------------------------------------------------------
     def _start_round(self, layout: RolloutLayout | None) -> None:
@@ -174,7 +171,6 @@ class StreamFeed:
         tokens = [0] * len(self._replicas)
         ending = False
         while True:
-            self._wakeup.drain()  # before looking at what was handed over: a later wake then ends the wait
             with contextlib.suppress(queue.Empty):
                 while True:
                     group = self._incoming.get_nowait()
@@ -193,7 +189,7 @@ class StreamFeed:
                 self._streamed.append(group)
             if ending:
                 return
-            self.acks.wait(self._wakeup)
+            self._waiter.wait()  # a wake is drained before the next look at what was handed over
 
 
 def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[int, int]], None]) -> int:

@@ -130,7 +130,6 @@ class GroupRace:
         self._spans: dict[int, list[Span]] = {}  # every group's requests on this engine this round, by key
         self._requests: dict[str, tuple[_Group, int, float]] = {}  # outstanding: (group, response, submitted)
         self._told: collections.deque[int] = collections.deque()  # keys a score callback named
-        self._asked: set[int] = set()  # keys whose futures cannot tell, so are asked at each step
         self._abandoned: list[str] = []  # requests of groups completed in this step, aborted at its end
         self._news = RaceNews()
         self._counts0: tuple[int, int] | None = None  # the engine's counters at the round's first launch
@@ -264,10 +263,7 @@ class GroupRace:
         g = group.launch
         future = self.reward.submit(sample, key=g.reward_key, adapt=g.adapt)
         group.scoring[sample.response_index] = future
-        if callable(getattr(future, "add_done_callback", None)):  # the reward pool's: it tells
-            future.add_done_callback(lambda _, key=g.key: self._scored(key))
-        else:  # the simulator's: asked at each step
-            self._asked.add(g.key)
+        future.add_done_callback(lambda _, key=g.key: self._scored(key))
 
     def _scored(self, key: int) -> None:
         """From the scoring thread: a score of group ``key`` came."""
@@ -278,7 +274,7 @@ class GroupRace:
         told = set()
         while self._told:
             told.add(self._told.popleft())
-        for key in sorted((told | self._asked) & self._groups.keys()):
+        for key in sorted(told & self._groups.keys()):
             group = self._groups[key]
             for r, future in list(group.scoring.items()):
                 if future.done():
@@ -290,8 +286,6 @@ class GroupRace:
                     self._ready(group, sample)
                     if key not in self._groups:  # complete: its other scores do not count
                         break
-            if key in self._groups and not group.scoring:
-                self._asked.discard(key)
 
     def _ready(self, group: _Group, sample: Sample) -> None:
         group.ready.append(sample)
@@ -299,7 +293,6 @@ class GroupRace:
             return
         key = group.launch.key
         del self._groups[key]
-        self._asked.discard(key)
         self._account()
         now = self.clock.now()
         for r in group.open:

@@ -6,7 +6,7 @@ and in ``rollpacker.sim``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 from rollpacker.sample import Prompt, Sample
 
@@ -29,12 +29,15 @@ class Score(Protocol):
 
 
 class ScoreFuture(Protocol):
-    """The subset of ``concurrent.futures.Future`` the scheduler uses. A future that also has
-    ``add_done_callback`` (the reward pool's) tells the scheduler when it is done; others are asked."""
+    """The subset of ``concurrent.futures.Future`` the scheduler uses: its callback tells the
+    scheduler when the score is in (the reward pool's from its thread, the simulator's when the
+    virtual clock reaches it)."""
 
     def done(self) -> bool: ...
 
     def result(self) -> Score: ...
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
 class RewardSink(Protocol):

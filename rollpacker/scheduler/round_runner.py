@@ -161,8 +161,7 @@ class RoundRunner:
     def _score_after_rollout(self) -> None:
         pending = [(s, self.reward.submit(s, key=f"p{s.prompt.uid}")) for group in self.kept for s in group.samples]
         for _, future in pending:
-            if callable(getattr(future, "add_done_callback", None)):
-                future.add_done_callback(lambda _: self.driver.wake())
+            future.add_done_callback(lambda _: self.driver.wake())
         for sample, future in pending:
             while not future.done():
                 self.driver.wait_for_time()

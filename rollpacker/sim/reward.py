@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import heapq
+import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,38 +18,33 @@ class SimScore:
     reason: str = "ok"
 
 
-class _SimFuture:
-    def __init__(self, clock: VirtualClock, ready_at: float, score: SimScore) -> None:
-        self._clock, self._ready_at, self._score = clock, ready_at, score
-
-    def done(self) -> bool:
-        return self._clock.now() >= self._ready_at
-
-    def result(self) -> SimScore:
-        if not self.done():
-            raise RuntimeError(f"score not ready until t={self._ready_at} (now {self._clock.now()})")
-        return self._score
-
-
 class SimRewardSink:
     """Scores ``reward_fn(sample)`` after ``latency_fn(sample)`` virtual seconds.
 
-    It is an ``EventSource``: the engine driver advances the clock to the
-    next score when the engines have nothing earlier.
+    Each score is a real future, resolved when the clock reaches its time. The sink is an
+    ``EventSource``: the fleet advances the clock to the next score when the engines have nothing
+    earlier.
     """
 
     def __init__(self, clock: VirtualClock, reward_fn: Callable[[Sample], float] = lambda s: 1.0,
                  latency_fn: Callable[[Sample], float] = lambda s: 0.0) -> None:
         self.clock, self.reward_fn, self.latency_fn = clock, reward_fn, latency_fn
-        self._ready: list[float] = []
+        self._pending: list[tuple[float, int, Future, SimScore]] = []  # (due, submission order, ...)
+        self._submitted = itertools.count()
+        clock.on_advance(self._resolve_due)
 
-    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> _SimFuture:
-        ready_at = self.clock.now() + self.latency_fn(sample)
-        heapq.heappush(self._ready, ready_at)
+    def submit(self, sample: Sample, *, key: str | None = None, adapt: bool = True) -> Future:
+        due = self.clock.now() + self.latency_fn(sample)
         reward = float(self.reward_fn(sample))
-        return _SimFuture(self.clock, ready_at, SimScore(reward, reward > 0))
+        future: Future = Future()
+        heapq.heappush(self._pending, (due, next(self._submitted), future, SimScore(reward, reward > 0)))
+        self._resolve_due()
+        return future
 
     def next_event_time(self) -> float | None:
-        while self._ready and self._ready[0] <= self.clock.now():
-            heapq.heappop(self._ready)
-        return self._ready[0] if self._ready else None
+        return self._pending[0][0] if self._pending else None
+
+    def _resolve_due(self) -> None:
+        while self._pending and self._pending[0][0] <= self.clock.now():
+            _, _, future, score = heapq.heappop(self._pending)
+            future.set_result(score)

@@ -539,7 +539,7 @@ def test_a_wake_that_lands_while_the_news_inbox_drains_its_pipe_leaves_later_wak
     read = os.read
 
     def wake_then_read(fd: int, n: int) -> bytes:
-        if fd == news_inbox._wakeup.fd:
+        if fd == news_inbox._waiter._wakeup.fd:
             monkeypatch.setattr(wakeup.os, "read", read)
             news_inbox.wake()  # lands between the poll that saw the pipe and its drain
         return read(fd, n)
