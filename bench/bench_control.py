@@ -58,7 +58,7 @@ import zmq
 
 from bench.results import REPO, write_results
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import EngineClient, NewsInbox, RemoteFleet
+from rollpacker.control.fleet import EngineClient, NewsInbox, ClusterFleet
 from rollpacker.control.transport import Endpoint
 from rollpacker.examples.task import TASK_NAME
 from rollpacker.examples.tokenizer import build_tokenizer
@@ -381,7 +381,7 @@ class CountingRace(EngineClient):
 def idle_cpu_per_s(engines: list, sink: PoolRewardSink, seconds: float) -> float:
     """Rank 0's CPU per wall second while it waits on one group that runs on its own engine (the part
     of its cost a compressed replay does not show)."""
-    driver = EngineDriver(RemoteFleet(engines, engines[-1].news_inbox, ScaledClock(1.0), sink))
+    driver = EngineDriver(ClusterFleet(engines, engines[-1].news_inbox, ScaledClock(1.0), sink))
     prompt = Prompt(uid=-1, input_ids=[TOKENS[0]] * 16, data_source=TASK_NAME, ground_truth="7")
     driver.launch([GroupLaunch(0, prompt, 1, 1, IDLE, IDLE, SamplingParams(max_new_tokens=LIMIT))])
     cpu, wall = time.process_time(), time.monotonic()
@@ -467,7 +467,7 @@ def run_size(engines: int, args: argparse.Namespace) -> dict[str, Any]:
                 if profiler and index >= args.warmup:
                     profiler.enable()
                 own = replay.engine(0, ring=True)  # rank 0's own engine, raced in this process, a fresh one a round
-                result = scheduler.run_round(plan, RemoteFleet([own, *races], news_inbox, clock, sink))  # its end stops the servers
+                result = scheduler.run_round(plan, ClusterFleet([own, *races], news_inbox, clock, sink))  # its end stops the servers
                 own.close()
                 if profiler:
                     profiler.disable()

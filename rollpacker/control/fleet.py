@@ -3,7 +3,7 @@
 An engine that another rank leads runs its race inside that rank's ``EngineServer``
 (engine_server.py). Rank 0 holds an ``EngineClient`` of it, which sends typed calls
 (``scheduler/calls.py``, ZeroMQ REQ/REP); what the server's race has to tell comes the other way,
-pushed to rank 0's ``NewsInbox`` (PUSH/PULL, one socket for all engines). ``RemoteFleet`` is the
+pushed to rank 0's ``NewsInbox`` (PUSH/PULL, one socket for all engines). ``ClusterFleet`` is the
 ``Fleet`` (``scheduler.protocols``) over those clients and rank 0's own engines, which it races in
 this process through a ``LocalFleet``. A call goes to every remote engine before any reply is
 awaited, so a round reaches N engines in about one round trip. With nothing new the fleet sleeps
@@ -111,7 +111,7 @@ class NewsInbox:
 
 class EngineClient:
     """Rank 0's handle on the race that another rank's ``EngineServer`` runs for its engine
-    (reached through ``control.fleet.RemoteFleet``); its news comes through ``news_inbox``."""
+    (reached through ``control.fleet.ClusterFleet``); its news comes through ``news_inbox``."""
 
     def __init__(self, endpoint: Endpoint, engine_id: int, news_inbox: NewsInbox | None, *, clock: Clock = RealClock(),
                  timeout_s: float = 600.0):
@@ -163,9 +163,10 @@ class EngineClient:
 _LIVENESS_AFTER_S = 5.0
 
 
-class RemoteFleet:
-    """``engines``: this rank's own (``RolloutEngine``s, raced here and scored by ``reward``) and
-    clients of the others' servers, all made with ``news_inbox``."""
+class ClusterFleet:
+    """A round's engines across the job: this rank's own (``RolloutEngine``s, raced here and scored
+    by ``reward``) and clients of the others' servers, all made with ``news_inbox``, on whose
+    waiter the fleet sleeps even when every engine is its own (a score wakes it)."""
 
     def __init__(self, engines: Sequence[RolloutEngine | EngineClient], news_inbox: NewsInbox, clock: Clock,
                  reward: RewardSink | None, *, idle_poll_s: float = 0.005) -> None:
@@ -240,11 +241,3 @@ class RemoteFleet:
         if news:
             self._last_news = time.monotonic()
         return news
-
-
-def fleet_of(engines: Sequence[RolloutEngine | EngineClient], news_inbox: NewsInbox, clock: Clock, reward: RewardSink | None, *,
-             idle_poll_s: float = 0.005) -> LocalFleet | RemoteFleet:
-    """The fleet that reaches ``engines``: a ``LocalFleet`` when every one is in this process."""
-    if all(isinstance(e, RolloutEngine) for e in engines):
-        return LocalFleet(engines, clock, reward, idle_poll_s=idle_poll_s)
-    return RemoteFleet(engines, news_inbox, clock, reward, idle_poll_s=idle_poll_s)

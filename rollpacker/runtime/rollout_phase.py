@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 import torch.distributed as dist
 
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import EngineClient, NewsInbox, fleet_of
+from rollpacker.control.fleet import ClusterFleet, EngineClient, NewsInbox
 from rollpacker.scheduler.calls import StopReason
 from rollpacker.control.transport import exchange_endpoints
 from rollpacker.runtime.engines import EngineSets
@@ -89,7 +89,8 @@ class RolloutPhase:
         if self.rank == 0:
             engines = [engine if leader == 0 else self._proxy(layout.tp, eid, leader)
                        for eid, leader in enumerate(layout.leaders)]
-            result = work(fleet_of(engines, self.news_inbox, RealClock(), self.reward, idle_poll_s=self.engine_wait_s))
+            result = work(ClusterFleet(engines, self.news_inbox, RealClock(), self.reward,
+                                       idle_poll_s=self.engine_wait_s))
         elif layout.is_leader:
             reason = self.server.serve(engine, self.reward, self.engine_wait_s)
         else:

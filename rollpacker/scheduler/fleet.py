@@ -6,7 +6,7 @@ virtual clock nothing moves by itself: before looking at the races the fleet ask
 ``EventSource`` (the modeled engines, a reward model with latency) for its next event and advances
 the clock to the earliest, and each engine then simulates itself up to the new time.
 
-Engines that other ranks lead are reached through ``control.fleet.RemoteFleet``, which races rank
+Engines that other ranks lead are reached through ``control.fleet.ClusterFleet``, which races rank
 0's own engines through a ``LocalFleet`` and takes the others' news from their servers. Both are
 the ``protocols.Fleet`` that ``EngineDriver`` drives.
 """

@@ -61,7 +61,7 @@ class EventSource(Protocol):
 
 class Fleet(Protocol):
     """How a round's engines are reached (``scheduler.fleet.LocalFleet``: in this process;
-    ``control.fleet.RemoteFleet``: through the servers of the ranks that lead them). Engine ``i``
+    ``control.fleet.ClusterFleet``: through the servers of the ranks that lead them). Engine ``i``
     runs its share of the round as a race; the driver makes typed calls (``scheduler.calls``) on
     them and takes their news as ``(i, RaceNews)`` pairs."""
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import pytest
 
 from rollpacker.control.engine_server import EngineServer
-from rollpacker.control.fleet import EngineClient, NewsInbox, RemoteFleet
+from rollpacker.control.fleet import EngineClient, NewsInbox, ClusterFleet
 from rollpacker.scheduler.calls import End, Retire, Stats
 from rollpacker.control.transport import Endpoint, PeerLostError
 from rollpacker.runtime.streaming import GroupInbox
@@ -329,7 +329,7 @@ def test_a_launch_reaches_every_engine_before_any_reply_and_a_refusal_leaves_eve
     news_inbox = NewsInbox()
     with served("Gate") as gate, served("Refuses") as refuses:
         proxies = [remote(gate.port, 1, timeout_s=60, news_inbox=news_inbox), remote(refuses.port, 2, timeout_s=60, news_inbox=news_inbox)]
-        driver = EngineDriver(RemoteFleet(proxies, news_inbox, RealClock(), None))
+        driver = EngineDriver(ClusterFleet(proxies, news_inbox, RealClock(), None))
         groups = [group(0, "a"), group(1, "b")]  # the least loaded engine takes the next group: one each
         outcome: list = []
         launch = threading.Thread(target=lambda: outcome.append(_raised(lambda: driver.launch(groups))))
@@ -392,12 +392,12 @@ def test_news_of_a_past_round_is_dropped_and_a_retire_hands_back_only_open_group
         return [(d.key, list(d.group.samples[0].response_ids)) for d in got]
 
     try:
-        first = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
+        first = EngineDriver(ClusterFleet([proxy], news_inbox, RealClock(), None))
         launch(first, 0, "a")
         in_round = taken(first)
         launch(first, 1, "c")  # the round ends with c's push unread
         first.end()  # the server's loop ends with it; it serves the next round with a new engine
-        second = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))  # the next round: c launched again, under key 1 again
+        second = EngineDriver(ClusterFleet([proxy], news_inbox, RealClock(), None))  # the next round: c launched again, under key 1 again
         launch(second, 1, "c")
         next_round = taken(second)
         launch(second, 2, "e")  # complete and pushed: not handed back
@@ -432,7 +432,7 @@ def test_a_server_sleeps_on_an_engine_that_rings_and_wakes_when_it_does():
     serving.start()
     proxy = remote(server.port, 0, timeout_s=60, news_inbox=news_inbox)
     try:
-        driver = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
+        driver = EngineDriver(ClusterFleet([proxy], news_inbox, RealClock(), None))
         driver.launch([group(0, "r", n=2)])
         time.sleep(0.5)
         polls_while_generating = engine.polls
@@ -470,7 +470,7 @@ def test_a_driver_on_a_news_inbox_sleeps_until_news_and_a_wake_ends_its_wait(mon
         news_inbox = NewsInbox()
         proxy = remote(server.port, 1, timeout_s=60, news_inbox=news_inbox)
         try:
-            driver = EngineDriver(RemoteFleet([proxy], news_inbox, RealClock(), None))
+            driver = EngineDriver(ClusterFleet([proxy], news_inbox, RealClock(), None))
             driver.launch([group(0, "r")])
             waits: list[float] = []
             waiting = threading.Event()
