@@ -5,26 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from megatron_ext.parallel import setup_layout, teardown_layout
-from testkit import make_random_qwen2, make_random_qwen3, run_torchrun
+from testkit import make_random_qwen3, run_torchrun
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.trainer import Trainer
 from tests.dist.trainer_tp import STEP_CONFIG, two_steps
-
-
-@pytest.fixture(scope="module")
-def layout():
-    torch.set_num_threads(1)
-    layout = setup_layout(1, 1, 1)
-    yield layout
-    teardown_layout(layout)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_random_qwen2(tmp_path_factory.mktemp("model"), seed=11)
+from tests.unit.test_trainer import layout, model_dir  # noqa: F401 - the same fixtures
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
