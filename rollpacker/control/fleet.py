@@ -44,7 +44,11 @@ class NewsInbox:
         self.progress = False  # this round's servers also push each response generated
         self._waiter = Waiter(self.sock)
         self._watched: list[int] = []
-        self.woken = False  # the last ``collect`` was woken
+
+    @property
+    def woken(self) -> bool:
+        """The last ``collect`` that waited ended on a ``wake``."""
+        return self._waiter.woken
 
     def watch(self, fds: Sequence[int]) -> None:
         """A wait in ``collect`` also ends when one of ``fds`` turns readable (the ready descriptors
@@ -80,12 +84,9 @@ class NewsInbox:
         come, waits up to ``timeout_s`` for some, a ``wake`` (``woken`` then says which) or a watched
         descriptor."""
         out = self._take()
-        self.woken = False
         if out or timeout_s <= 0:
             return out
-        ready = self._waiter.wait(int(timeout_s * 1000))
-        self.woken = self._waiter.woken
-        return self._take() if self.sock in ready else []
+        return self._take() if self.sock in self._waiter.wait(int(timeout_s * 1000)) else []
 
     def _take(self) -> News:
         out: News = []
@@ -176,9 +177,9 @@ class ClusterFleet:
         if any(e.news_inbox is not news_inbox for e in engines if isinstance(e, EngineClient)):
             raise ValueError("a round's remote engines must share its fleet's news inbox")
         self.clock, self.reward, self._news_inbox = clock, reward, news_inbox
-        own = [i for i, e in enumerate(engines) if isinstance(e, RolloutEngine)]
-        self._own = dict(zip(own, range(len(own))))  # engine index -> index in the local fleet
-        self._local = LocalFleet([engines[i] for i in own], clock, reward, idle_poll_s=idle_poll_s,
+        self._own_ids = [i for i, e in enumerate(engines) if isinstance(e, RolloutEngine)]  # by local index
+        self._own = {i: j for j, i in enumerate(self._own_ids)}  # engine index -> index in the local fleet
+        self._local = LocalFleet([engines[i] for i in self._own_ids], clock, reward, idle_poll_s=idle_poll_s,
                                  wake=news_inbox.wake)
         self._clients = {i: e for i, e in enumerate(engines) if i not in self._own}
         self._size = len(engines)
@@ -234,8 +235,7 @@ class ClusterFleet:
         return self._clients[i].begin(call)
 
     def _from_local(self, news: News) -> News:
-        index = list(self._own)
-        return [(index[j], n) for j, n in news]
+        return [(self._own_ids[j], n) for j, n in news]
 
     def _heard(self, news: News) -> News:
         if news:
