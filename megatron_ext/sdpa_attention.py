@@ -121,7 +121,7 @@ def packed_attention_paths(model: nn.Module) -> dict[str, int]:
 def megatron_attention(model: nn.Module) -> Iterator[int]:
     """Compute ``model``'s core attention with Megatron's own ``DotProductAttention`` inside the block.
 
-    The reference this module replaces, for parity checks and ``bench/bench_attention.py``;
+    The reference this module replaces, for parity checks and ``bench/micro/attention.py``;
     the subclass adds no state, so switching the class back and forth is exact. Yields the
     number of attention modules switched.
     """

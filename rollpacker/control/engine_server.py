@@ -10,7 +10,7 @@ whenever it has work and answers between steps, so remote engines decode concurr
 each response generated) it pushes to rank 0's ``NewsInbox`` (PUSH/PULL, one socket on rank 0 for all
 engines). So rank 0 neither polls engines nor hears of each response: its cost follows the
 prompts of a round, not their responses, the engines or the seconds a round lasts
-(``bench/bench_control.py``).
+(``bench/system/control.py``).
 """
 from __future__ import annotations
 

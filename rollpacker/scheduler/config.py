@@ -9,7 +9,7 @@ from rollpacker.configlib import ConfigError
 
 @dataclass(frozen=True)
 class TPProfile:
-    """Measured (``bench/profile_tp.py``) or modeled capacity of one engine at a TP size."""
+    """Measured (``bench/system/profile_tp.py``) or modeled capacity of one engine at a TP size."""
 
     tp: int
     decode_tokens_per_s: float  # saturated decode throughput of one engine

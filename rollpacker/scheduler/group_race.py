@@ -6,7 +6,7 @@ its first ``r0`` ready responses (generated and, with asynchronous reward, score
 group's other responses on the spot and reports the group. So the coordinator hears about a
 group once, not about each response several times (its completion, its score, its extras'
 aborts), and its cost follows the prompts of a round rather than their responses
-(``bench/bench_control.py``).
+(``bench/system/control.py``).
 
 The race runs in rank 0's process for rank 0's own engine (and for every engine of a modeled
 cluster, on a virtual clock), and inside the ``EngineServer`` of an engine that another rank

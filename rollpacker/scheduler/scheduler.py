@@ -150,7 +150,7 @@ def _no_collection_during_the_round() -> Iterator[None]:
     A round makes several container objects per request and keeps most of them until it ends
     (samples, requests, placements, the reward pool's futures). Each of them set off and then sat
     through the collector's passes, young and full: a third of rank 0's Python time at 512 engines
-    (``bench/bench_control.py``), for nothing, since the round drops its garbage by refcounting and
+    (``bench/system/control.py``), for nothing, since the round drops its garbage by refcounting and
     makes no cycles of its own. A cycle something else drops meanwhile waits for the first pass after
     the round. A collector someone else switched off stays off."""
     if not gc.isenabled():

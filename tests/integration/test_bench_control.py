@@ -1,4 +1,4 @@
-"""``bench.bench_control`` at a tiny scale: rank 0 drives 2 then 4 engine endpoints over the real
+"""``bench.system.control`` at a tiny scale: rank 0 drives 2 then 4 engine endpoints over the real
 coordinator channel (its own engine raced in-process, as in training), and its accounting holds:
 every request reached an engine exactly once, every round kept its P0 groups, rank 0 sent exactly
 the messages the endpoints answered, a round is one launch and one end per engine, rank 0 hears of
@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 
-from bench import report
-from bench.bench_control import R0, RESPONSES
+from bench.tools import report
+from bench.system.control import R0, RESPONSES
 from testkit import REPO_ROOT
 
 ENGINES, ROUNDS = (2, 4), 2
@@ -22,7 +22,7 @@ ENGINES, ROUNDS = (2, 4), 2
 
 def test_rank0_accounting_at_a_tiny_scale(tmp_path):
     out = tmp_path / "control.json"
-    cmd = [sys.executable, "-m", "bench.bench_control", "--engines", ",".join(map(str, ENGINES)),
+    cmd = [sys.executable, "-m", "bench.system.control", "--engines", ",".join(map(str, ENGINES)),
            "--rounds", str(ROUNDS), "--hosts", "1", "--idle-s", "0.3", "--speed", "10", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

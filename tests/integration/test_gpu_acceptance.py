@@ -1,4 +1,4 @@
-"""The GPU acceptance run's CPU dry run: the checks of bench/gpu_acceptance.py on tiny shapes.
+"""The GPU acceptance run's CPU dry run: the checks of bench/gpu/acceptance.py on tiny shapes.
 
 On CPU the trainer under test is the CPU backend, so those checks prove the script and everything up
 to the backend keep working between the (rare) GPU sessions; the GPU verdicts are in docs/gpu/. The
@@ -32,7 +32,7 @@ COVERED_ELSEWHERE = ["program/sglang_baseline_vs_tail_batching"]  # see the modu
 
 @pytest.mark.timeout(1600)  # its own subprocess limit is 1500 s
 def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv_python, tmp_path):
-    proc = subprocess.run([str(sglang_venv_python), "-m", "bench.gpu_acceptance", "--device", "cpu", "--out",
+    proc = subprocess.run([str(sglang_venv_python), "-m", "bench.gpu.acceptance", "--device", "cpu", "--out",
                            str(tmp_path), "--skip", *COVERED_ELSEWHERE, "--jobs", "2"], cwd=REPO, env=engine_env(),
                           capture_output=True, text=True, timeout=1500)
     print(proc.stdout[-4000:])

@@ -1,4 +1,4 @@
-"""The one-call GPU run (bench/gpu_run.py): its step runner on cheap stand-in steps, and its CPU dry
+"""The one-call GPU run (bench/gpu/run.py): its step runner on cheap stand-in steps, and its CPU dry
 run of the real command on two cheap real checks (the CPU dry run of every check is
 tests/integration/test_gpu_acceptance.py's).
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from bench import gpu_run
-from bench.gpu_acceptance import check_names, run_one
-from bench.gpu_run import CPU_BUDGETS_S, GPU_BUDGETS_S, MAX_OUT_FILES, Run, Step, priority
+from bench.gpu import run as gpu_run
+from bench.gpu.acceptance import check_names, run_one
+from bench.gpu.run import CPU_BUDGETS_S, GPU_BUDGETS_S, MAX_OUT_FILES, Run, Step, priority
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,8 +102,8 @@ def test_every_check_has_a_budget_and_the_sglang_checks_come_first():
 
 
 def test_a_check_with_stages_leaves_its_partial_result_when_it_dies(tmp_path, monkeypatch):
-    """``gpu_acceptance check`` writes a staged check's result after each stage, marked partial."""
-    from bench import gpu_acceptance
+    """``bench.gpu.acceptance check`` writes a staged check's result after each stage, marked partial."""
+    from bench.gpu import acceptance as gpu_acceptance
 
     def staged(device, work, progress, profile_dir):
         def check():
@@ -127,7 +127,7 @@ def test_cpu_dry_run_of_the_gpu_command_runs_the_chosen_checks_in_order(tmp_path
     selected."""
     out = tmp_path / "out"
     chosen = ["tiny-random/trainer_throughput", "tiny-widths/trainer_throughput"]
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_run", "--device", "cpu", "--budget-s", "900",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu.run", "--device", "cpu", "--budget-s", "900",
                            "--out", str(out), "--work", str(tmp_path / "work"), "--only", *chosen],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""The SGLang bundle's CPU dry run: bench/sglang_bundle.py builds a small bundle from wheels made here.
+"""The SGLang bundle's CPU dry run: bench/tools/sglang_bundle.py builds a small bundle from wheels made here.
 
 The same code as the real sglang 0.5.17 build (stub dist-infos for the machine's packages, pip's
 resolver, the lock, the allowlist, download by URL and hash, install, prune, pack, split, the
@@ -61,7 +61,7 @@ def index(tmp_path_factory):
 
 
 def bundle(*args):
-    proc = subprocess.run([sys.executable, "-m", "bench.sglang_bundle", *map(str, args)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "bench.tools.sglang_bundle", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     print(proc.stdout[-3000:], proc.stderr[-2000:])
     return proc
@@ -197,13 +197,13 @@ def test_plan_is_one_call_that_carries_the_parts_and_meta_and_runs_gpu_run(built
     root, manifest = built["root"], built["manifest"]
     rel = os.path.relpath(root, REPO)
     carry = [f"{rel}/{p['folder']}" for p in manifest["parts"]] + [f"{rel}/meta"]
-    carry += [".whl"] if (REPO / ".whl").is_dir() else []  # bench/gpu_wheels.sh's wheels travel too
+    carry += [".whl"] if (REPO / ".whl").is_dir() else []  # bench/gpu/wheels.sh's wheels travel too
     plan = bundle("plan", root)
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
     assert lines[0].startswith("One device call for tinyapp-1.0: ") and "the limit is 64 MiB" in lines[0]
     assert lines[1:4] == [f"  carry: {json.dumps(carry)}",
-                          f"  command: python3 -m bench.gpu_run --bundle {rel} --budget-s 540 --out $OUT",
+                          f"  command: python3 -m bench.gpu.run --bundle {rel} --budget-s 540 --out $OUT",
                           "  timeout_s: 600"]
     assert (root / "plan.txt").read_text() == plan.stdout[:-1]  # print adds the last newline
     assert "\n".join(lines[1:4]) in built["stdout"]  # build printed the same call

@@ -3,8 +3,8 @@
 ``tests/sglang_gpu/env.py`` builds and caches a Python 3.12 venv that models the GPU machine's packages (torch
 2.11.0+cu130 and the documented packages the path imports) and the real bundle from its lock. This test unpacks
 the bundle as the device does, ``unpack --check-held`` run by the venv's Python (whose packages then stand for
-the machine's), checks that every file the manifest lists as pruned is absent, and runs ``bench.sglang_imports
---fake-cuda`` on the unpacked tree, as ``bench/gpu_run.py`` runs it on the GPU without faking: every module of
+the machine's), checks that every file the manifest lists as pruned is absent, and runs ``bench.tools.sglang_imports
+--fake-cuda`` on the unpacked tree, as ``bench/gpu/run.py`` runs it on the GPU without faking: every module of
 the Engine path imports, ServerArgs accepts our GPU server arguments, and only the expected CUDA queries are
 faked. It prints what it measured.
 """
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.bundle_resolve import norm
-from bench.sglang_bundle import HELD_NAMES, HELD_VERSIONS
-from bench.sglang_imports import STEPS
+from bench.tools.bundle_resolve import norm
+from bench.tools.sglang_bundle import HELD_NAMES, HELD_VERSIONS
+from bench.tools.sglang_imports import STEPS
 from tests.sglang_gpu import env
 
 SITE = env.CACHE / "site"
-# torch.cuda answers as one H100 (bench/sglang_imports.py, fake_h100), and this machine has no driver, so
+# torch.cuda answers as one H100 (bench/tools/sglang_imports.py, fake_h100), and this machine has no driver, so
 # sgl_kernel's libraries load beside a stand-in libcuda.so.1; a new query on the path fails the import or lands
 # in this list, and either way someone looks
 EXPECTED_FAKED = ["torch.cuda.is_available", "torch.cuda.device_count", "torch.cuda.current_device",
@@ -63,7 +63,7 @@ def test_held_subset_is_of_the_machines_documented_packages():
 def test_bundle_imports_the_engine_path_on_the_machines_packages(sglang_gpu_bundle, tmp_path):
     py = env.venv_python()
     shutil.rmtree(SITE, ignore_errors=True)
-    unpack, unpack_s = _run([py, "-m", "bench.sglang_bundle", "unpack", "--parts", env.BUNDLE, "--dest", SITE,
+    unpack, unpack_s = _run([py, "-m", "bench.tools.sglang_bundle", "unpack", "--parts", env.BUNDLE, "--dest", SITE,
                              "--check-held"], timeout=600)
     print(unpack.stdout[-3000:], unpack.stderr[-2000:])
     assert unpack.returncode == 0
@@ -81,10 +81,10 @@ def test_bundle_imports_the_engine_path_on_the_machines_packages(sglang_gpu_bund
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     # bytecode beside the cache, not in the tree the manifest describes; tar keeps mtimes, so it stays valid
     child_env.update(PYTHONPATH=f"{SITE}:{env.REPO}", PYTHONPYCACHEPREFIX=str(env.PYCACHE))
-    imports, imports_s = _run([py, "-m", "bench.sglang_imports", "--fake-cuda", "--json", out], env=child_env,
+    imports, imports_s = _run([py, "-m", "bench.tools.sglang_imports", "--fake-cuda", "--json", out], env=child_env,
                               timeout=900)
     print(imports.stdout[-6000:], imports.stderr[-4000:])
-    assert out.exists(), "bench.sglang_imports wrote no report"
+    assert out.exists(), "bench.tools.sglang_imports wrote no report"
     report = json.loads(out.read_text())
 
     assert report["first_failure"] is None, report["first_failure"]
@@ -111,7 +111,7 @@ def test_bundle_imports_the_engine_path_on_the_machines_packages(sglang_gpu_bund
         f"{len(pruned)} files pruned ({sum(p.get('bytes') or 0 for p in pruned) / 1e6:.1f} MB), all absent",
         f"unpack --check-held: {unpack_s:.1f} s; held packages not on the path (not installed here): "
         f"{', '.join(sorted({m[0] for m in mismatches})) or 'none'}",
-        f"bench.sglang_imports --fake-cuda: {imports_s:.1f} s in all (torch {report['torch_import_seconds']:.1f} s)",
+        f"bench.tools.sglang_imports --fake-cuda: {imports_s:.1f} s in all (torch {report['torch_import_seconds']:.1f} s)",
         *(f"  {s['seconds']:6.2f} s  {s['module']}" for s in report["steps"]),
         f"  {report['server_args']['seconds']:6.2f} s  ServerArgs",
         "faked: " + ", ".join(f["what"] + ("" if f["calls"] is None else f" x{f['calls']}") for f in report["faked"])

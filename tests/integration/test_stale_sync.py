@@ -13,7 +13,6 @@ from pathlib import Path
 
 from tests.bounds import CPU_SYNC_BOUND
 from testkit import free_base_port, run_torchrun
-from tests.sglang_cpu.env import REPO
 from tests.integration.test_sglang_real import PROGRAM_TIMEOUT_S, run_in_venv
 from tests.integration.test_train_program import FAST
 

@@ -1,4 +1,4 @@
-"""bench/trl_grpo.py, the TRL GRPOTrainer peer: its CLI contract and one tiny training step.
+"""bench/e2e/trl_grpo.py, the TRL GRPOTrainer peer: its CLI contract and one tiny training step.
 
 The training test needs TRL (``pip install -r requirements-bench.txt``), which CI does not
 install; it is skipped there. The CLI tests run everywhere.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "trl_grpo.py"
+SCRIPT = REPO / "bench" / "e2e" / "trl_grpo.py"
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -29,7 +29,7 @@ def test_help_works_without_trl_and_names_the_install_command():
 
 def test_missing_trl_is_a_clear_error():
     # Hide trl even where it is installed: the runner must say how to get it, not raise ImportError.
-    code = ("import sys; sys.modules['trl'] = None; sys.path.insert(0, 'bench'); import trl_grpo; "
+    code = ("import sys; sys.modules['trl'] = None; sys.path.insert(0, 'bench/e2e'); import trl_grpo; "
             "trl_grpo.main(['--steps', '1', '--p0', '2', '--r0', '2'])")
     out = _run(["-c", code], timeout=60)
     assert out.returncode != 0

@@ -1,15 +1,15 @@
 """The GPU machine's package set and the carried SGLang 0.5.17 bundle, built and cached by the tests themselves.
 
 ``tests/integration/test_sglang_gpu_bundle.py`` imports sglang's Engine path from the bundle on the packages the GPU
-machine has, on this CPU (``bench/sglang_imports.py --fake-cuda``). Its two inputs live in
+machine has, on this CPU (``bench/tools/sglang_imports.py --fake-cuda``). Its two inputs live in
 ``<repo>/.cache/sglang-gpu/`` (git-ignored), each rebuilt only when the stamp of its inputs changes:
 
 - ``venv/``: a Python 3.12 venv (the machine's Python) holding PyPI's ``torch==2.11.0`` for cp312, which is
   the machine's 2.11.0+cu130 build, with the nvidia-*, cuda-toolkit and triton 3.6.0 it depends on, and of
-  the machine's other documented packages (``bench.sglang_bundle.HELD_VERSIONS`` and ``HELD_NAMES``) only
+  the machine's other documented packages (``bench.tools.sglang_bundle.HELD_VERSIONS`` and ``HELD_NAMES``) only
   those the Engine path imports (``HELD_SUBSET``), at the machine's versions where they are recorded. It
   models the machine; it is not our CPU base environment (no ``--system-site-packages``).
-- ``bundle/sglang-0.5.17/``: ``python -m bench.sglang_bundle build`` from the tracked lock, packed with a
+- ``bundle/sglang-0.5.17/``: ``python -m bench.tools.sglang_bundle build`` from the tracked lock, packed with a
   fast codec (``BUNDLE_ARGS``: the device's codec is about the size of a call, not what this check tests).
 
 Building both from nothing downloads ~3.5 GB (torch and its CUDA libraries ~3 GB; the bundle's 44 wheels
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
-from bench.bundle_resolve import find_python  # noqa: E402
-from bench.sglang_bundle import HELD_VERSIONS, ROOT_SPEC  # noqa: E402
+from bench.tools.bundle_resolve import find_python  # noqa: E402
+from bench.tools.sglang_bundle import HELD_VERSIONS, ROOT_SPEC  # noqa: E402
 from tests.sglang_cpu.env import build_lock  # noqa: E402
 
 CACHE = REPO / ".cache" / "sglang-gpu"
@@ -47,10 +47,10 @@ PYCACHE = CACHE / "pycache"  # bytecode of what the test's import run imports (i
 TORCH = f"torch=={HELD_VERSIONS['torch']}"
 BUNDLE_ARGS = ["--codec", "zstd", "--level", "1"]
 # what decides the bundle: the lock, the allowlist and prune list, the code that packs
-BUNDLE_INPUTS = ["bench/locks/sglang-0.5.17.json", "bench/sglang_bundle.py", "bench/bundle_resolve.py",
-                 "bench/bundle_pack.py"]
+BUNDLE_INPUTS = ["bench/tools/locks/sglang-0.5.17.json", "bench/tools/sglang_bundle.py", "bench/tools/bundle_resolve.py",
+                 "bench/tools/bundle_pack.py"]
 
-# The machine's packages that sglang's Engine path (bench/sglang_imports.py) imports, each with the module that
+# The machine's packages that sglang's Engine path (bench/tools/sglang_imports.py) imports, each with the module that
 # first needs it, found by trial: the venv held torch alone, and each failed import added back the held package
 # it named, until every step and ServerArgs passed (2026-11-27). Versions: the machine's where HELD_VERSIONS
 # records them; the others' are not recorded, so they are pinned to the releases the trial installed. Installed
@@ -147,7 +147,7 @@ def _build_venv(py: str) -> None:
 
 def _build_bundle() -> None:
     shutil.rmtree(PYCACHE, ignore_errors=True)  # the old tree's bytecode
-    _run([sys.executable, "-m", "bench.sglang_bundle", "build", *BUNDLE_ARGS, "--out", BUNDLE_OUT,
+    _run([sys.executable, "-m", "bench.tools.sglang_bundle", "build", *BUNDLE_ARGS, "--out", BUNDLE_OUT,
           "--cache", CACHE / "wheels"], log=CACHE / "bundle-build.log")
 
 

@@ -1,4 +1,4 @@
-"""The pure logic of bench/e2e.py on synthetic metrics records (no torchrun)."""
+"""The pure logic of bench/e2e/ablation.py on synthetic metrics records (no torchrun)."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import e2e_report as rep
+from bench.e2e import stats as rep
 
 
 def rec(step: int, kind: str, step_s: float, *, prompts: int = 16, reward: float = 0.5, ckpt: float = 0.0,
@@ -44,7 +44,7 @@ def test_modes_are_cumulative_and_use_real_config_keys():
     by_key = {m.key: m.overrides for m in rep.MODES}
     assert by_key[rep.ROLLPACKER] == {"scheduler.mode": "tail_batching", "reward.async_scoring": "true",
                     "scheduler.planner.enabled": "true", "rollout.tp": "1", "trainer.stream": "true",
-                    "scheduler.history.enabled": "false"}  # history: measured by bench.e2e_history
+                    "scheduler.history.enabled": "false"}  # history: measured by bench.e2e.history
     sections = {"run": ("rollpacker/config.py", "RunSection"), "data": ("rollpacker/data/config.py", "DataConfig"),
                 "rollout": ("rollpacker/rollout/config.py", "RolloutConfig"),
                 "scheduler": ("rollpacker/scheduler/config.py", "SchedulerConfig"),

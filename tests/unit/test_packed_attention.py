@@ -12,8 +12,8 @@ plain tensor arithmetic that differentiates anywhere. So here:
   the GQA head expansion that torch 2.11's ``varlen_attn`` needs, the causal ``window_size``)
   into a stand-in for torch's kernel that keeps torch 2.11's signature and checks each
   argument against that contract. The FlashAttention kernel itself (and compiled
-  FlexAttention) runs in the GPU acceptance run: ``bench/gpu_attention_checks.py`` against
-  fp32 attention, and ``check_throughput`` in ``bench/gpu_trainer_checks.py``, which reports
+  FlexAttention) runs in the GPU acceptance run: ``bench/gpu/attention_checks.py`` against
+  fp32 attention, and ``check_throughput`` in ``bench/gpu/trainer_checks.py``, which reports
   the path taken.
 
 Errors measured on this machine (torch 2.13 CPU, GQA 4 query / 2 KV heads, head dim 16, 5

@@ -1,9 +1,9 @@
-"""The generated tables of README.md and docs/ equal what ``python -m bench.report`` renders from ``bench/results/``."""
+"""The generated tables of README.md and docs/ equal what ``python -m bench.tools.report`` renders from ``bench/results/``."""
 from __future__ import annotations
 
 import json
 
-from bench import report
+from bench.tools import report
 
 
 def test_generated_blocks_match_their_results_files():
@@ -14,4 +14,4 @@ def test_generated_blocks_match_their_results_files():
     for name in set(names) - set(report.SUMMARIES):
         results = json.loads((report.RESULTS / f"{name}.json").read_text())
         assert {"command", "commit", "date", "machine"} <= set(results), name
-    assert report.main(["--check"]) == 0, "a generated block is stale: run python -m bench.report"
+    assert report.main(["--check"]) == 0, "a generated block is stale: run python -m bench.tools.report"

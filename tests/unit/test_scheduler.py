@@ -6,7 +6,6 @@ latency, so completion, scoring and abort interleave as they would live.
 """
 from __future__ import annotations
 
-import array
 import dataclasses
 import gc
 import json
