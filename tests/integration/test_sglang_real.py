@@ -78,11 +78,11 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
     - the engine starts there (with torchrun's TORCHELASTIC_USE_AGENT_STORE inherited it hung waiting
       for a TCPStore nobody served);
     - ``update_weights``: generation afterwards equals transformers loaded with the pushed weights
-      (C1: refused outside the session), and a refusal raises;
-    - ``stats()`` reports the engine's KV capacity (32768 here) and its load (L6: capacity was 0);
+      (sglang 0.5.23 refuses an update outside a session), and a refusal raises;
+    - ``stats()`` reports the engine's KV capacity (32768 here) and its load (not an estimate of ours);
     - ``abort_all()`` then at once ``release_memory``/``resume_memory``: the release waits until sglang
-      holds none of the aborted requests (L1: sglang's scheduler asserted an idle engine and
-      SIGQUIT the process), and greedy output afterwards still equals transformers;
+      holds none of the aborted requests (released earlier, sglang's scheduler asserts an idle engine
+      and SIGQUITs the process), and greedy output afterwards still equals transformers;
     - the engine's ready descriptor turns readable when a request finishes and a poll reads it empty
       (its server sleeps on it instead of polling the engine host);
     - requests evicted mid-decode and resubmitted with their tokens end as greedy requests that

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +126,7 @@ def check_engine(model_dir: Path, ref: Reference) -> dict:
         try:
             verdict["greedy_matches_transformers"] = compare(
                 "before update", engine_greedy(engine, ref.prompts), ref.want_before)
-            # Review item C1: outside a session sglang 0.5.23 refuses the update and says so.
+            # Outside a session sglang 0.5.23 refuses the update and says so.
             ok, msg = engine.update_weights_from_tensor(named_tensors=ref.new_weights, flush_cache=True)
             verdict["update_outside_session_refused"] = (
                 True if ok is False and "begin_weight_update" in msg else f"returned {(ok, msg)!r}")
@@ -141,7 +142,27 @@ def check_engine(model_dir: Path, ref: Reference) -> dict:
     return verdict
 
 
+STALL_DUMP_ENV = "ROLLPACKER_STALL_DUMP_DIR"  # read by shims/rollpacker_stall_dump.py in the engine host
+STALLS: dict[str, str] = {}  # generation tag -> the engine host's state when it timed out
+
+
+def stall_report(eng, timeout_s: float = 30.0) -> str:
+    """The engine host's own account of where its requests wait (``shims/rollpacker_stall_dump.py``)."""
+    folder = os.environ.get(STALL_DUMP_ENV)
+    if not folder:
+        return f"no dump: {STALL_DUMP_ENV} is not set"
+    path = Path(folder) / f"host-{eng.host_pid}.txt"
+    path.unlink(missing_ok=True)
+    os.kill(eng.host_pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:  # the handler runs between the host's calls
+        time.sleep(0.1)
+    return path.read_text() if path.exists() else f"the engine host wrote no dump within {timeout_s}s"
+
+
 def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, timeout_s: float = 120):
+    """Greedy outputs of ``prompts`` (``[]`` for one that did not finish within ``timeout_s``; the host's
+    state is then kept in ``STALLS[tag]``)."""
     from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
@@ -149,6 +170,8 @@ def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, t
     done, deadline = {}, time.monotonic() + timeout_s
     while len(done) < len(prompts) and time.monotonic() < deadline:
         done.update((c.request_id, list(c.output_ids)) for c in eng.poll(timeout=1.0))  # arrays from the host
+    if len(done) < len(prompts):
+        STALLS[tag] = stall_report(eng)
     return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
 
 

@@ -9,15 +9,15 @@ shares it. As ``EngineSets`` builds them, rank 0 leads a TP-1 engine and the TP-
 
 - ``engine`` (rank 1, before its own engine, since ``sglang.Engine.shutdown`` kills every child of
   its process): ``sglang.Engine`` driven directly, ``engine_checks.check_engine``;
-- ``backend`` (rank 0's TP-1 engine, first in its life): it starts in a c10d torchrun worker (C2),
+- ``backend`` (rank 0's TP-1 engine, first in its life): it starts in a c10d torchrun worker,
   then ``engine_checks.check_backend`` and ``lifecycle_checks``;
 - ``hosts`` (rank 0, after ``backend``):
-  - L2: each engine runs in a host process of its own (sglang keeps one live config per process),
+  - each engine runs in a host process of its own (sglang keeps one live config per process),
     and after a weight push to each, both generate what transformers does with the pushed weights
     (the TP-1 engine, which serves the perturbed weights by now, gets the shipped ones back);
-  - L9: shutting the TP-2 engine down ends its host and sglang's processes under it, and leaves
+  - shutting the TP-2 engine down ends its host and sglang's processes under it, and leaves
     the rank's other children (a stand-in for the reward workers) and the TP-1 engine running;
-  - L8: a SIGTERM to the rank and to its engine host reaches our handler, and the engine keeps
+  - a SIGTERM to the rank and to its engine host reaches our handler, and the engine keeps
     serving (sglang's own SIGTERM watchdog would exit the process);
   - a dead sglang scheduler makes ``poll(None)`` raise ``EngineDiedError`` instead of waiting forever.
 
@@ -29,9 +29,11 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -42,8 +44,8 @@ from typing import Callable
 import psutil
 import torch.distributed as dist
 
-from engine_checks import (CPU_ENGINE_ARGS, Reference, backend_generate, check_backend, check_engine, compare,
-                           reference)
+from engine_checks import (CPU_ENGINE_ARGS, STALL_DUMP_ENV, STALLS, Reference, backend_generate, check_backend,
+                           check_engine, compare, reference)
 from lifecycle_checks import start_under_torchrun
 
 DEATH_TIMEOUT_S = 60  # the host's watch notices a dead sglang process within about a second
@@ -138,7 +140,7 @@ def host_checks(ref: Reference, tp1, tp2) -> dict:
         True if busiest < IDLE_CPU_SHARE * IDLE_S
         else f"over {IDLE_S}s with no request, a process of the idle engines used {busiest:.2f} CPU s: {used}")
 
-    # L9: the rank's other children survive an engine's shutdown.
+    # The rank's other children survive an engine's shutdown.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     tp2_tree = {tp2.host_pid} | descendants(tp2.host_pid)
     exits = pidfds(tp2_tree)  # opened before the shutdown: no pid reused meanwhile is waited for
@@ -151,7 +153,7 @@ def host_checks(ref: Reference, tp1, tp2) -> dict:
     bystander.kill()
     bystander.wait()
 
-    # L8: SIGTERM to the rank (our handler) and to its engine host (as Slurm signals a whole step). The
+    # SIGTERM to the rank (our handler) and to its engine host (as Slurm signals a whole step). The
     # host ignores it: the kernel drops a signal whose disposition is SIG_IGN when it is sent, so there
     # is nothing to wait for there; sglang's own handler would show as a disposition that is not SIG_IGN.
     got = threading.Event()
@@ -202,6 +204,9 @@ def section(verdict: dict, name: str, checks: Callable[[dict], None]) -> None:
         checks(part)
     except Exception:  # noqa: BLE001 - the pytest side reports it
         part["crashed"] = traceback.format_exc()
+    if STALLS:  # a generation that timed out: what its engine host was waiting on
+        part["stalled_generations"] = dict(STALLS)
+        STALLS.clear()
 
 
 def main(model_dir: Path, base_port: int) -> dict | None:
@@ -247,10 +252,13 @@ def main(model_dir: Path, base_port: int) -> dict | None:
 
 if __name__ == "__main__":
     started = time.monotonic()
+    os.environ[STALL_DUMP_ENV] = tempfile.mkdtemp(prefix="stall-dump-")  # inherited by the engine hosts
     try:
         result = main(Path(sys.argv[1]), int(sys.argv[2]))
     except Exception:  # noqa: BLE001 - the pytest side reports it
         result = {"crashed": traceback.format_exc()}
+    finally:
+        shutil.rmtree(os.environ[STALL_DUMP_ENV], ignore_errors=True)
     if result is not None:
         result["seconds"] = round(time.monotonic() - started, 1)
         print("VERDICT " + json.dumps(result), flush=True)

@@ -28,13 +28,18 @@ def engine_load(eng):
 
 def wait_until_running(eng, n: int, timeout_s: float = 30.0):
     """Block until the scheduler reports ``n`` running requests (so an abort hits running ones)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    seen: dict[tuple[int, int], float] = {}  # (running, waiting) -> seconds after the start it was first read
+    while time.monotonic() < started + timeout_s:
         load = engine_load(eng)
         if load.num_running_reqs >= n:
             return load
+        seen.setdefault((load.num_running_reqs, load.num_waiting_reqs), round(time.monotonic() - started, 2))
         time.sleep(0.05)
-    raise TimeoutError(f"the engine never reported {n} running requests: last load {engine_load(eng)}")
+    from engine_checks import stall_report
+    raise TimeoutError(f"the engine never reported {n} running requests: last load {engine_load(eng)}\n"
+                       f"(running, waiting) first read after s: {seen}\n"
+                       f"the engine host's state:\n{stall_report(eng)}")
 
 
 def lifecycle_checks(eng, prompts, want) -> dict:

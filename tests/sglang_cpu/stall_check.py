@@ -160,11 +160,13 @@ class BackendEngine:
         return out
 
     def dump(self) -> None:
+        from engine_checks import stall_report
         load: dict = {}
         reader = threading.Thread(target=lambda: load.update(v=self.eng._host.call("engine_load")), daemon=True)
         reader.start()
         reader.join(40)
         say(f"  scheduler load (through the host): {load.get('v', 'no answer within 40 s')}")
+        say(f"  the engine host's own account:\n{stall_report(self.eng)}")
         host = self.eng.host_pid
         dump_processes([host, *descendants(host)])
 
@@ -205,6 +207,7 @@ def main() -> int:
     SITE.append(Path(tempfile.mkdtemp(prefix="stall-check-")))  # every process started from here: SIGUSR1 dumps
     (SITE[0] / "sitecustomize.py").write_text(SITECUSTOMIZE)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE[0]), os.environ.get("PYTHONPATH")) if p)
+    os.environ["ROLLPACKER_STALL_DUMP_DIR"] = str(SITE[0])  # shims/rollpacker_stall_dump.py, in the engine hosts
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.path.insert(0, str(HERE))  # engine_checks and lifecycle_checks import each other by bare name
     from engine_checks import compare, reference
