@@ -1,6 +1,6 @@
 """The engine host: one ``sglang.Engine`` in an OS process of its own, driven by ``SGLangEngine``.
 
-Why a process per engine (review items; sglang 0.5.17 and 0.5.23 alike unless said otherwise):
+Why a process per engine (sglang 0.5.17 and 0.5.23 alike unless said otherwise):
 - 0.5.23 keeps one live config per process ("a process holds at most one live config",
   ``runtime_context.py``; ``Engine.__init__`` publishes its own), so a rank leading engines of
   two TP sizes in one process serialised weights for the wrong TP size
@@ -22,10 +22,10 @@ rank closes, or with its whole group when one of sglang's processes dies, so tha
 an error instead of waiting for results that will never come.
 
 Inside the host, ``SGLangDriver`` translates our ``RolloutEngine`` calls to sglang's: requests go
-through ``Engine.async_generate`` on the engine's event loop, run by a background thread while
-requests are in flight; each result lands in a queue that ``poll`` drains. Control calls (memory,
-weights) are sglang's synchronous methods, which drive that same loop with
-``run_until_complete``, so the background thread is paused around them. What differs between
+through ``Engine.async_generate`` on the engine's event loop, which one thread runs for the engine's
+whole life; each result lands in a queue that ``poll`` drains. Control calls (memory, weights) are
+sglang's synchronous methods, which drive that same loop with ``run_until_complete``: that thread
+runs them while the loop is stopped (``_LoopThread``). What differs between
 the supported sglang releases comes from the host's ``SGLangSurface`` (``sglang_api``), read from
 the installed distribution before sglang is imported; an unsupported release ends the start.
 
@@ -69,29 +69,45 @@ CHILD_WATCH_S = 1.0  # how often the host checks that sglang's processes are ali
 
 
 class _LoopThread:
-    """Runs an asyncio loop in a background thread, and can pause it for synchronous callers."""
+    """The one thread that runs sglang's event loop (uvloop), for the engine's whole life.
+
+    Coroutines are handed to the running loop (``run``, ``call``). sglang's synchronous methods
+    (memory, weights, shutdown) drive that same loop with ``run_until_complete``: they run in this
+    thread too, between two runs of the loop (``call_stopped``), so that the loop never changes
+    threads, as in sglang's own server."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future, bool]] = queue.SimpleQueue()
+        self._died: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="sglang-loop", daemon=True)
+        self._thread.start()
 
-    def _run(self) -> None:
+    def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sglang-loop", daemon=True)
-            self._thread.start()
-
-    def pause(self) -> None:
-        if self._thread is not None:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self._thread = None
+        try:
+            while True:
+                self.loop.run_forever()  # until call_stopped stops it
+                while True:
+                    try:
+                        fn, done, last = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        done.set_result(fn())
+                    except BaseException as exc:  # the caller re-raises it
+                        done.set_exception(exc)
+                    if last:
+                        return
+        except BaseException as exc:  # a loop that died serves nothing: queued and later calls raise
+            self._died = exc
+            while not self._jobs.empty():
+                self._jobs.get_nowait()[1].set_exception(RuntimeError("sglang's event loop died"))
+            raise
 
     def run(self, coro) -> concurrent.futures.Future:
-        self.start()
+        if self._died is not None:
+            raise RuntimeError("sglang's event loop died") from self._died
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -99,6 +115,20 @@ class _LoopThread:
         async def on_loop() -> Any:
             return fn()
         return self.run(on_loop()).result()
+
+    def call_stopped(self, fn: Callable[[], Any], last: bool = False) -> Any:
+        """Run ``fn`` in the loop's thread while the loop is stopped, and wait for it; ``last``: the
+        thread ends after it."""
+        if self._died is not None:
+            raise RuntimeError("sglang's event loop died") from self._died
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, done, last))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        try:
+            return done.result()
+        finally:
+            if last:
+                self._thread.join()
 
 
 @dataclass
@@ -131,7 +161,7 @@ class SGLangDriver:
         self._returned = threading.Condition()
         # Fixed at startup (the scheduler sizes its pool once): the token capacity the stream
         # trainer's hand-off weighs the projected KV demand against.
-        self.kv_capacity = int(self._call("Engine.get_server_info")["max_total_num_tokens"])
+        self.kv_capacity = int(self._sync("Engine.get_server_info")["max_total_num_tokens"])
 
     # ---- request plane -------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
@@ -225,23 +255,18 @@ class SGLangDriver:
     # ---- control plane -------------------------------------------------------------------------
     def begin_weights(self) -> None:
         """Open the release's weight-update session, if it has one (``SGLangSurface.weight_session``)."""
-        self._loop.pause()
         if self.surface.weight_session:
             self._checked("Engine.begin_weight_update", "opening the weight-update session")
 
     def push(self, bucket: list[tuple[str, torch.Tensor]], flush_cache: bool) -> None:
         if flush_cache and self.surface.flush_needs_idle:  # the scheduler would assert the flush
             self.wait_idle()
-            self._loop.pause()
         self._checked("Engine.update_weights_from_tensor", f"tensors {[name for name, _ in bucket]}",
                       named_tensors=bucket, load_format=None, flush_cache=flush_cache)
 
     def end_weights(self) -> None:
-        try:
-            if self.surface.weight_session:
-                self._checked("Engine.end_weight_update", "closing the weight-update session")
-        finally:
-            self._resume_loop()
+        if self.surface.weight_session:
+            self._checked("Engine.end_weight_update", "closing the weight-update session")
 
     def close_weights(self) -> None:
         """After a failed push: close the session, since one left open makes the next
@@ -249,8 +274,7 @@ class SGLangDriver:
         is the one to report, so a failure to close is not raised over it."""
         if self.surface.weight_session:
             with contextlib.suppress(Exception):
-                self._call("Engine.end_weight_update")
-        self._resume_loop()
+                self._sync("Engine.end_weight_update")
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Release once the engine is idle (aborted requests drained): see ``wait_idle``."""
@@ -266,8 +290,6 @@ class SGLangDriver:
         timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._returned:
-            if self._in_sglang:
-                self._loop.start()  # the results come back through the loop
             if not self._returned.wait_for(lambda: not self._in_sglang, timeout=timeout_s):
                 raise TimeoutError(f"engine {self.engine_id}: sglang has not returned requests "
                                    f"{sorted(self._in_sglang)[:8]} ({len(self._in_sglang)} in all) "
@@ -300,8 +322,7 @@ class SGLangDriver:
 
     def shutdown(self) -> None:
         self.abort_all()
-        self._loop.pause()
-        self._call("Engine.shutdown")
+        self._loop.call_stopped(lambda: self._call("Engine.shutdown"), last=True)
 
     # ---- internals -----------------------------------------------------------------------------
     def _problem(self, r: GenerationRequest) -> str | None:
@@ -366,23 +387,19 @@ class SGLangDriver:
             raise RuntimeError(f"engine {self.engine_id}: {qualname.split('.')[1]} needs an idle engine "
                                f"({len(self._active)} requests in flight)")
         self.wait_idle()
-        self._loop.pause()
-        try:
-            self._call(qualname, tags=list(tags))
-        finally:
-            self._resume_loop()
+        self._sync(qualname, tags=list(tags))
 
     def _checked(self, qualname: str, subject: str, **kwargs: Any) -> None:
         """Call a control method that answers ``(success, message)`` and raise unless it succeeded."""
-        result = self._call(qualname, **kwargs)
+        result = self._sync(qualname, **kwargs)
         ok, message = result if isinstance(result, tuple) and len(result) == 2 else (False, repr(result))
         if not ok:
             raise WeightSyncError(f"engine {self.engine_id}: sglang refused {qualname.split('.')[1]} "
                                   f"({subject}): {message}")
 
-    def _resume_loop(self) -> None:
-        if self._active:
-            self._loop.start()
+    def _sync(self, qualname: str, **kwargs: Any) -> Any:
+        """One of sglang's synchronous methods, which run the loop themselves (``_LoopThread.call_stopped``)."""
+        return self._loop.call_stopped(lambda: self._call(qualname, **kwargs))
 
 
 # ---- the host process ------------------------------------------------------------------------------

@@ -345,7 +345,7 @@ def test_weights_are_pushed_in_bounded_buckets_and_the_last_flushes():
     assert [len(b) for b in weight_buckets(named, 3 << 20)] == [3, 3, 1, 1, 1]
     engine = _engine(weight_bucket_mb=3)
     engine.submit([GenerationRequest("x", [1], SamplingParams(max_new_tokens=1))])
-    _drain(engine)  # the background loop ran: the synchronous update must pause it
+    _drain(engine)  # the loop ran: the synchronous update must run while it is stopped
     engine.update_weights(iter(named))
     pushes = [c[1] for c in double(engine).calls if c[0] == "update_weights_from_tensor"]
     assert [p["names"] for p in pushes] == [["w0", "w1", "w2"], ["w3", "w4", "w5"], ["w6"], ["big"], ["tail"]]
