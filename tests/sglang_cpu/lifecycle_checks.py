@@ -38,7 +38,7 @@ def wait_until_running(eng, n: int, timeout_s: float = 30.0):
         time.sleep(0.05)
     from engine_checks import stall_report
     raise TimeoutError(f"the engine never reported {n} running requests: last load {engine_load(eng)}\n"
-                       f"(running, waiting) first read after s: {seen}\n"
+                       f"(running, waiting) first read after s: {seen}, from {started:.2f} (monotonic)\n"
                        f"the engine host's state:\n{stall_report(eng)}")
 
 

@@ -92,6 +92,8 @@ def _dump(signum, frame) -> None:
                 lines.extend(_describe(obj) if kind == "TokenizerManager" else _describe_driver(obj))
             except Exception as exc:  # noqa: BLE001 - a diagnostic: say what could not be read
                 lines.append(f"could not describe {obj!r}: {exc!r}")
+    import time
+    lines.append(f"now {time.monotonic():.2f} (monotonic); blocking calls over {SLOW_S} s: {SLOW or 'none'}")
     path = os.path.join(os.environ[DIR_ENV], f"host-{os.getpid()}.txt")
     with open(path + ".part", "w") as f:
         f.write("\n".join(lines or ["no TokenizerManager in this process"]) + "\n\nthreads:\n")
@@ -100,5 +102,39 @@ def _dump(signum, frame) -> None:
     os.replace(path + ".part", path)  # the reader waits for the whole file
 
 
+SLOW_S = 0.05
+SLOW: list[str] = []  # blocking calls of this process that took over SLOW_S, for the dump
+
+
+def _timed(fn, what: str):
+    """``fn``, recording each call that blocks over SLOW_S (with the thread it blocked)."""
+    import functools
+    import threading
+    import time
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        started = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            took = time.monotonic() - started
+            if took > SLOW_S and len(SLOW) < 200:
+                SLOW.append(f"{what} took {took:.2f} s in thread {threading.current_thread().name}, "
+                            f"ended {time.monotonic():.2f} (monotonic)")
+    return timed
+
+
+def _watch_blocking_calls() -> None:
+    """Two suspects of a loop that stalls: the flock around sglang's load snapshot, and log
+    records written into a full pipe."""
+    import fcntl
+    import logging
+
+    fcntl.flock = _timed(fcntl.flock, "fcntl.flock")
+    logging.StreamHandler.emit = _timed(logging.StreamHandler.emit, "a log record's write")
+
+
 if os.environ.get(DIR_ENV):
     signal.signal(signal.SIGUSR2, _dump)
+    _watch_blocking_calls()
