@@ -88,11 +88,8 @@ class _LoopThread:
         try:
             while True:
                 self.loop.run_forever()  # until call_stopped stops it
-                while True:
-                    try:
-                        fn, done, last = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
+                while not self._jobs.empty():  # this thread is the only consumer
+                    fn, done, last = self._jobs.get_nowait()
                     try:
                         done.set_result(fn())
                     except BaseException as exc:  # the caller re-raises it
@@ -105,9 +102,12 @@ class _LoopThread:
                 self._jobs.get_nowait()[1].set_exception(RuntimeError("sglang's event loop died"))
             raise
 
-    def run(self, coro) -> concurrent.futures.Future:
+    def _alive(self) -> None:
         if self._died is not None:
             raise RuntimeError("sglang's event loop died") from self._died
+
+    def run(self, coro) -> concurrent.futures.Future:
+        self._alive()
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -119,8 +119,7 @@ class _LoopThread:
     def call_stopped(self, fn: Callable[[], Any], last: bool = False) -> Any:
         """Run ``fn`` in the loop's thread while the loop is stopped, and wait for it; ``last``: the
         thread ends after it."""
-        if self._died is not None:
-            raise RuntimeError("sglang's event loop died") from self._died
+        self._alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((fn, done, last))
         self.loop.call_soon_threadsafe(self.loop.stop)
