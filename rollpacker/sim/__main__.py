@@ -4,6 +4,7 @@
     rollpacker-sim --model 32b --gpus 64 --limit 32768 --json
     rollpacker-sim --planner                        # per-round-kind TP, online rule
     rollpacker-sim --epochs 4 --rho 0.9 --history on  # every prompt once per epoch
+    rollpacker-sim --end-to-end                     # the whole step, component by component
 
 Without ``--trace`` the lengths come from the parametric long-tail model
 (``rollpacker.sim.traces``). ``--json`` prints the same report as JSON.
@@ -14,10 +15,16 @@ a fixed number of rounds, and reports per epoch (``rollpacker.sim.epochs``);
 tail batching runs with or without ``--history``. Without ``--trace`` the
 per-prompt medians move between epochs by ``--rho`` and ``--drift``
 (``multi_epoch_trace``).
+
+``--end-to-end`` models the whole training step (rollout, reward, training,
+weight sync) for the published ablation, one component added per row
+(``rollpacker.sim.step``, where each cost's assumption is stated); the
+planner and the stream trainer are turned on by their rows.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -26,6 +33,7 @@ from rollpacker.scheduler.config import HistoryConfig
 from rollpacker.sim.epochs import compare, run_epochs
 from rollpacker.sim.perf import Efficiency
 from rollpacker.sim.run import SimSettings, row_dict, run_mode, summarize
+from rollpacker.sim.step import ABLATION, StepCosts, run_ablation, step_dict, summarize_steps
 from rollpacker.sim.traces import TraceError, epoch_spearman, load_trace, longtail_trace, multi_epoch_trace
 
 
@@ -65,6 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     h.add_argument("--step-overhead-ms", type=float, default=e.step_overhead_s * 1e3)
     h.add_argument("--allreduce-us", type=float, default=e.allreduce_s * 1e6)
     h.add_argument("--mem-fraction", type=float, default=e.mem_fraction)
+    c = StepCosts()
+    s = p.add_argument_group("the whole step")
+    s.add_argument("--end-to-end", action="store_true",
+                   help="the published ablation step by step: rollout, reward, training, weight sync")
+    s.add_argument("--train-mfu", type=float, help=f"training's share of peak bf16 FLOPs (default {c.mfu})")
+    s.add_argument("--reward-workers", type=int, help=f"CPU workers scoring responses (default {c.reward_workers})")
+    s.add_argument("--reward-hang-prompts", type=float,
+                   help=f"share of prompts whose responses may hit the scorer's timeout (default {c.reward_hang_prompts})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     if args.eta is not None:
@@ -75,10 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 EPOCH_FLAGS = ("epochs", "history", "rho", "drift")
+STEP_FLAGS = ("train_mfu", "reward_workers", "reward_hang_prompts")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flag combinations that would be silently ignored."""
+    if not args.end_to_end and (given := [f"--{n.replace('_', '-')}" for n in STEP_FLAGS if getattr(args, n) is not None]):
+        raise ValueError(f"{', '.join(given)}: only with --end-to-end")
+    if args.end_to_end and (args.epochs is not None or args.planner):
+        raise ValueError("--end-to-end runs its own rows (the planner is one of them) over --rounds rounds: "
+                         "not with --epochs or --planner")
     if args.epochs is None:
         given = [f"--{name}" for name in EPOCH_FLAGS[1:] if getattr(args, name) is not None]
         if given:
@@ -106,33 +128,51 @@ def samples_per_prompt(args: argparse.Namespace) -> int:
     return max(args.r0, -(-int(args.eta_r * args.r0 * 1000) // 1000))
 
 
-def progress(total: int, unit: str):
-    """A bar on stderr while both modes run (on a terminal only: a log file gets the report alone)."""
+def progress(total: int, unit: str, desc: str = "baseline + tail batching"):
+    """A bar on stderr while the modes run (on a terminal only: a log file gets the report alone)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, unit=unit, desc="baseline + tail batching", disable=None, leave=False)
+    return tqdm(total=total, unit=unit, desc=desc, disable=None, leave=False)
+
+
+def one_epoch_trace(args: argparse.Namespace) -> tuple[list, str]:
+    """The lengths (a ``--trace`` file or the parametric model) and a line that says which."""
+    if args.trace:
+        return load_trace(args.trace), f"trace {args.trace}"
+    median = args.median or args.limit / 28
+    trace = longtail_trace(args.num_prompts, samples=samples_per_prompt(args), median=median, limit=args.limit,
+                           sigma_prompt=args.sigma_prompt, sigma_response=args.sigma_response,
+                           prompt_length=args.prompt_length, seed=args.seed)
+    return trace, (f"log-normal: median {median:.0f} x exp(N(0,{args.sigma_prompt})) per prompt "
+                   f"x exp(N(0,{args.sigma_response})) per response, clipped to {args.limit}")
 
 
 def simulate(args: argparse.Namespace) -> dict:
     check_args(args)
     if args.epochs is not None:
         return simulate_epochs(args)
+    if args.end_to_end:
+        return simulate_steps(args)
     settings = settings_of(args)
-    if args.trace:
-        trace, length_model = load_trace(args.trace), f"trace {args.trace}"
-    else:
-        median = args.median or args.limit / 28
-        trace = longtail_trace(args.num_prompts, samples=samples_per_prompt(args), median=median, limit=args.limit,
-                               sigma_prompt=args.sigma_prompt, sigma_response=args.sigma_response,
-                               prompt_length=args.prompt_length, seed=args.seed)
-        length_model = (f"log-normal: median {median:.0f} x exp(N(0,{args.sigma_prompt})) per prompt "
-                        f"x exp(N(0,{args.sigma_response})) per response, clipped to {args.limit}")
+    trace, length_model = one_epoch_trace(args)
     with progress(2 * settings.rounds, "rounds") as bar:
         baseline = run_mode("baseline", settings, trace, on_round=lambda _: bar.update())
         tail = run_mode("tail_batching", settings, trace, on_round=lambda _: bar.update())
     return {"settings": {k: v for k, v in vars(args).items() if k not in ("json", *EPOCH_FLAGS)},
             "length_model": length_model, "baseline": [row_dict(r) for r in baseline],
             "tail_batching": [row_dict(r) for r in tail], "summary": summarize(baseline, tail)}
+
+
+def simulate_steps(args: argparse.Namespace) -> dict:
+    settings, (trace, length_model) = settings_of(args), one_epoch_trace(args)
+    given = {"mfu": args.train_mfu, "reward_workers": args.reward_workers, "reward_hang_prompts": args.reward_hang_prompts}
+    costs = dataclasses.replace(StepCosts(), **{k: v for k, v in given.items() if v is not None})
+    with progress(len(ABLATION) * settings.rounds, "steps", "the ablation's rows") as bar:
+        steps = run_ablation(settings, trace, costs, on_round=lambda _: bar.update())
+    return {"settings": {k: v for k, v in vars(args).items() if k not in ("json", *EPOCH_FLAGS, *STEP_FLAGS)},
+            "length_model": length_model, "costs": dataclasses.asdict(costs),
+            "steps": {key: [step_dict(r) for r in rows] for key, rows in steps.items()},
+            "summary": summarize_steps(steps)}
 
 
 def simulate_epochs(args: argparse.Namespace) -> dict:
@@ -189,6 +229,22 @@ def print_report(report: dict) -> None:
     print(f"speedup: amortized {m['speedup']:.2f}x, short rounds {m['short_round_speedup']:.2f}x")
 
 
+def print_step_report(report: dict) -> None:
+    print_header(report)
+    c = report["costs"]
+    print(f"{'component':<24}{'rollout s':>10}{'reward s':>10}{'train s':>9}{'sync s':>8}{'step s':>9}"
+          f"{'speedup':>9}{'streamed':>10}")
+    for component in ABLATION:
+        m = report["summary"][component.key]
+        print(f"{component.label:<24}{m['rollout_s']:>10.1f}{m['reward_s']:>10.1f}{m['train_s']:>9.1f}"
+              f"{m['sync_s']:>8.1f}{m['step_s']:>9.1f}{m['speedup']:>8.2f}x{m['streamed_share']:>10.0%}")
+    print(f"per step, mean of {report['settings']['rounds']} rounds; training after rollout at MFU {c['mfu']} "
+          f"({c['flops_per_token']:g} x params FLOPs per token), weight sync {c['switch_s']:g} s + weights at "
+          f"{c['sync_bytes_per_s'] / 1e9:g} GB/s; reward {c['reward_s']:g} s per response on {c['reward_workers']} "
+          f"workers, {c['reward_hang_s']:g} s for half the responses of {c['reward_hang_prompts']:.0%} of the prompts; "
+          "streamed: the share of training done by the stream trainer before the round ended")
+
+
 def print_epoch_report(report: dict) -> None:
     print_header(report)
     if report["epoch_spearman"] is not None:
@@ -218,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     elif args.epochs is not None:
         print_epoch_report(report)
+    elif args.end_to_end:
+        print_step_report(report)
     else:
         print_report(report)
     return 0

@@ -10,6 +10,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sample import Prompt
 from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, RoundResult, RoundStats, Scheduler, VirtualClock
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
+from rollpacker.scheduler.handoff import HandoffPolicy
 from rollpacker.sim.engine import SimEngine
 from rollpacker.sim.perf import H800, QWEN25, Efficiency, PerfModel
 from rollpacker.sim.reward import SimRewardSink
@@ -56,12 +57,15 @@ class SimCluster:
     ``history`` configures history-aware tail batching (modes other than the
     baseline); ``shuffle_seed`` serves each epoch of the trace in its own
     seeded order (None: trace order every epoch); ``last_epoch``: see
-    ``LengthOracle``.
+    ``LengthOracle``. ``async_reward``: a prompt is done when its responses are generated and
+    scored (False: the kept samples are scored in a stage after the round); ``reward`` scores them
+    (default: at once, on unlimited workers).
     """
 
     def __init__(self, mode: str, settings: SimSettings, trace: list[PromptLengths], *,
                  history: HistoryConfig | None = None, shuffle_seed: int | None = None,
-                 last_epoch: int | None = None) -> None:
+                 last_epoch: int | None = None, async_reward: bool = True,
+                 reward: Callable[[VirtualClock], SimRewardSink] = SimRewardSink) -> None:
         settings.validate()
         self.settings = settings
         self.model = QWEN25[settings.model]
@@ -76,15 +80,20 @@ class SimCluster:
                               history=history or HistoryConfig())
         rollout = RolloutConfig(tp=settings.tp, max_response_length=settings.limit)
         profile = modeled_profile(settings) if planner_on else ()
-        self.scheduler = Scheduler(cfg, rollout, source, rollout_ranks=settings.gpus, profile=profile)
-        self.reward = SimRewardSink(self.clock)
+        self.scheduler = Scheduler(cfg, rollout, source, rollout_ranks=settings.gpus, profile=profile,
+                                   async_reward=async_reward)
+        self.reward = reward(self.clock)
 
-    def run_round(self) -> RoundResult:
+    def run_round(self, stream: bool = False) -> RoundResult:
+        """The next round; ``stream``: a long round may hand engines to the stream trainer (any but
+        engine 0, the coordinator's, the last first; the trace says when and which)."""
         plan = self.scheduler.plan_round()
         perf = PerfModel(self.model, H800, plan.tp, self.settings.efficiency)
         engines = [SimEngine(perf, self.clock, self.oracle, engine_id=i)
                    for i in range(self.settings.gpus // plan.tp)]
-        return self.scheduler.run_round(plan, LocalFleet(engines, self.clock, self.reward))
+        handoff = (HandoffPolicy(candidates=tuple(range(len(engines) - 1, 0, -1)), on_release=lambda released: None)
+                   if stream else None)
+        return self.scheduler.run_round(plan, LocalFleet(engines, self.clock, self.reward), handoff=handoff)
 
 
 def run_mode(mode: str, settings: SimSettings, trace: list[PromptLengths], *,
