@@ -26,7 +26,8 @@ CPU). Checks, each recorded with its figures and verdict even when another fails
   the reference engine in the same process;
 * the program end to end on one rank (the shipped policy and example), on the reference engine and
   on SGLang (trainer and engine sharing the device): baseline and tail batching back to back,
-  seconds per step, their ratio, and each step's weight-sync check.
+  seconds per step, their ratio, and each step's weight-sync check; then the same on the 0.5B
+  shape with paper-shaped replayed lengths (P0=32, R0=8, a 1,024-token limit).
 
 The SGLang checks need sglang importable by this interpreter: on the GPU machine the 0.5.17 bundle
 (``python -m bench.tools.sglang_bundle``), on CPU the test suite's venv (``tests/sglang_cpu/env.py``,
@@ -92,11 +93,26 @@ class Sizes:
     # The per-subject checks on the 0.5B shape too; the dry run's random model is as tiny as the policy,
     # so repeating them there proves nothing more (and costs the suite minutes).
     per_subject_on_shape: bool
+    replay: ReplayRun  # the program with paper-shaped replayed lengths
+
+
+@dataclass(frozen=True)
+class ReplayRun:
+    """The program on replayed lengths (``rollpacker.rollout.replay``: the parametric long-tail model with
+    median = limit / 28): P0 prompts x R0 responses per step, ``steps`` steps per mode. ``on_shape``: the
+    random model of the run's shape with the policy's tokenizer (the dry run's tiny shape has fewer
+    token ids than the tokenizer: the policy itself)."""
+    p0: int
+    r0: int
+    limit: int
+    steps: int
+    on_shape: bool
 
 
 GPU = Sizes(QWEN25_05B, "qwen2.5-0.5b-shape", 2e-5, 6, 8192, 5, (1, 8, 32, 64, 128, 256), 128, 10, 480,
-            trainer.QWEN25_7B_WIDTHS_4L, "qwen2.5-7b-widths-4l", True)
-CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400, TINY, "tiny-widths", False)
+            trainer.QWEN25_7B_WIDTHS_4L, "qwen2.5-7b-widths-4l", True, ReplayRun(32, 8, 1024, 5, True))
+CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400, TINY, "tiny-widths", False,
+            ReplayRun(4, 2, 64, 2, False))
 # The trainer's MFU goals on an H100 (issue: one-call packed attention, fused pointwise work); recorded
 # beside the figure, not part of the verdict, which says whether the trainer runs correctly.
 MFU_GOALS = {"qwen2.5-0.5b-shape": 0.20, "qwen2.5-7b-widths-4l": 0.35}
@@ -219,7 +235,12 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
         "program/baseline_vs_tail_batching": lambda: rollout.check_program(
             device, work, sizes.program_steps, sizes.program_timeout_s, progress=progress),
         "program/sglang_baseline_vs_tail_batching": lambda: rollout.check_program(
-            device, work, sizes.program_steps, sizes.program_timeout_s, backend="sglang", progress=progress)})
+            device, work, sizes.program_steps, sizes.program_timeout_s, backend="sglang", progress=progress),
+        "program/replay_baseline_vs_tail_batching": lambda: rollout.check_replay_program(
+            device, work, sizes.replay, big.model_dir, sizes.program_timeout_s, progress=progress),
+        "program/sglang_replay_baseline_vs_tail_batching": lambda: rollout.check_replay_program(
+            device, work, sizes.replay, big.model_dir, sizes.program_timeout_s, backend="sglang",
+            progress=progress)})
     return checks
 
 
@@ -234,7 +255,8 @@ def check_names(device: torch.device) -> list[str]:
             + [f"{sizes.widths_name}/trainer_throughput"]
             # the one-call kernels have no CPU backward (tests/unit/test_packed_attention.py covers the rest)
             + (["attention/packed_kernels"] if device.type == "cuda" else [])
-            + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching"])
+            + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching",
+               "program/replay_baseline_vs_tail_batching", "program/sglang_replay_baseline_vs_tail_batching"])
 
 
 def _with_goal(name: str, result: dict[str, Any]) -> dict[str, Any]:

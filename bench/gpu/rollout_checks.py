@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -174,14 +174,15 @@ LOGPROB_MISMATCH_CHECK = {"cpu": ("train/logprob_mismatch_max", 3e-5), "cuda": (
 
 
 def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int, backend: str = "reference",
-                  progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The real program (torchrun, one rank, the shipped policy and example) on rollout ``backend``: the
-    synchronous baseline and tail batching back to back on the same machine, the trainer and the
-    engine sharing the device (offload/onload each step); seconds per step, their ratio, and each
-    step's weight-sync check. ``progress`` receives the modes run so far after each one."""
+                  progress: Callable[[dict[str, Any]], None] | None = None, overrides: Sequence[str] = (),
+                  label: str = "program") -> dict[str, Any]:
+    """The real program (torchrun, one rank, the shipped policy and example; ``overrides`` on top) on
+    rollout ``backend``: the synchronous baseline and tail batching back to back on the same machine,
+    the trainer and the engine sharing the device (offload/onload each step); seconds per step, their
+    ratio, and each step's weight-sync check. ``progress`` receives the modes run so far after each one."""
     modes = {}
     for mode in ("baseline", "tail_batching"):
-        run_dir = out_dir / f"program-{backend}"
+        run_dir = out_dir / f"{label}-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                "-m", "rollpacker.train", "--config", "configs/tiny-cpu.yaml", f"scheduler.mode={mode}",
                f"run.steps={steps}", f"run.output_dir={run_dir}", f"run.name={mode}", "run.wandb=disabled",
@@ -191,6 +192,7 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
                # one rank: every round at rollout TP 1
                "scheduler.planner.long_tp=1", "scheduler.planner.max_tp=1"]
         cmd += ([f"rollout.sglang_base_port={free_base_port(1)}"] if backend == "sglang" else ["run.verify_sync=true"])
+        cmd += list(overrides)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -216,7 +218,29 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
     ratio = modes["baseline"]["sum_step_s"] / modes["tail_batching"]["sum_step_s"]
     # step 1 carries each process's one-off costs (CUDA context, kernel loading, allocator growth)
     warm = sum(modes["baseline"]["step_s"][1:]) / max(sum(modes["tail_batching"]["step_s"][1:]), 1e-9)
-    print(f"[program/{backend}] tail batching over the baseline: {ratio:.2f}x ({warm:.2f}x after step 1)", flush=True)
+    print(f"[{label}/{backend}] tail batching over the baseline: {ratio:.2f}x ({warm:.2f}x after step 1)", flush=True)
     return {"device": str(device), "backend": backend, "modes": modes, "speedup_tail_batching_over_baseline": ratio,
             "speedup_after_step_1": warm,
             "ok": all(m["steps"] == steps and m["sync_ok"] for m in modes.values())}
+
+
+def check_replay_program(device: torch.device, out_dir: Path, run, shape_dir: Path, timeout: int,
+                         backend: str = "reference", progress: Callable[[dict[str, Any]], None] | None = None
+                         ) -> dict[str, Any]:
+    """``check_program`` with paper-shaped lengths: every response as long as the parametric long-tail
+    model says (median = limit / 28, stop tokens ignored), ``run.p0`` x ``run.r0`` per step, on the
+    random model of the run's shape with the policy's tokenizer (``run.on_shape``) or on the policy."""
+    model = REPO / "assets" / "policy"
+    if run.on_shape:
+        model = out_dir / f"{shape_dir.name}-with-tokenizer"
+        model.mkdir(parents=True, exist_ok=True)
+        for source in [*shape_dir.iterdir(), *(REPO / "assets" / "policy").glob("tokenizer*.json")]:
+            if not (model / source.name).exists():
+                (model / source.name).symlink_to(source.resolve())
+    overrides = [f"model.path={model}", f"scheduler.p0={run.p0}", f"scheduler.r0={run.r0}",
+                 f"rollout.max_response_length={run.limit}", "rollout.length_replay.enabled=true",
+                 f"rollout.length_replay.median={run.limit / 28:.1f}",
+                 f"rollout.kv_cache_tokens={2 * run.p0 * run.r0 * run.limit}"]
+    result = check_program(device, out_dir, run.steps, timeout, backend, progress, overrides, label="replay")
+    return {**result, "replay": {"model": model.name, "p0": run.p0, "r0": run.r0, "limit": run.limit,
+                                 "median": run.limit / 28}}

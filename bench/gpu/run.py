@@ -65,6 +65,10 @@ GPU_BUDGETS_S = {
     # s: sglang's processes, CUDA graphs; the RoPE kernel is compiled by then) and releases, resumes
     # and pushes weights to it every step: ~190 s
     "program/sglang_baseline_vs_tail_batching": 250,
+    # estimate: two runs of 5 steps at P0=32, R0=8 on the 0.5B shape with replayed lengths (limit 1,024,
+    # median 37): a baseline step decodes ~1,000 steps at ~10 ms, ~10 s; torchrun and model load ~40 s each
+    "program/replay_baseline_vs_tail_batching": 200,
+    "program/sglang_replay_baseline_vs_tail_batching": 240,
     # estimate: a 2.0B-parameter random model made and written as 8 GB of fp32 (~20-30 s), loaded
     # (~15-25 s), an optimizer step, 8 micro-batches of 8,192 tokens (~0.3 s each), the profile: ~80 s
     "qwen2.5-7b-widths-4l/trainer_throughput": 120,
@@ -106,6 +110,8 @@ CPU_BUDGETS_S = {
     "tiny-random/weight_sync": 150,
     "tiny-random/host_weight_transport": 150,
     "program/baseline_vs_tail_batching": 900,
+    "program/replay_baseline_vs_tail_batching": 900,
+    "program/sglang_replay_baseline_vs_tail_batching": 900,
 }
 
 

@@ -22,6 +22,12 @@ finish) was hidden behind generation in the tail-batching rounds.
 Sampling is seeded, so every run generates the same tokens round by round;
 only the seconds move with the load other processes put on the machine.
 
+``--replay-median M`` (the parametric long-tail model, median M tokens) or
+``--replay-trace FILE`` (a JSONL length trace) makes every response as long
+as the trace says, stop tokens ignored (``rollpacker.rollout.replay``): the
+scheduler then meets a chosen length distribution, a published trace's shape
+for one, on the real engine; the saturated-throughput probe runs unreplayed.
+
 ``--history`` adds a third mode, tail batching with ``scheduler.history``, and
 ``--prompts N --epochs E`` runs E·N/P0 rounds per mode over the first N
 training rows, so each prompt comes back E times (the policy is frozen: a
@@ -48,9 +54,10 @@ from bench.tools.results import write_results
 from rollpacker.data.dataset import PromptDataset
 from rollpacker.reward import RewardConfig, RewardPool
 from rollpacker.reward.sink import PoolRewardSink
-from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+from rollpacker.rollout.config import ReplayConfig, RolloutConfig
+from rollpacker.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
+from rollpacker.rollout.replay import LengthReplay, ReplayLengths
 from rollpacker.scheduler import LocalFleet, RealClock, RoundKind, RoundResult, Scheduler
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.round import over_launch
@@ -106,7 +113,7 @@ def reward_overlap(result: RoundResult) -> tuple[float, float]:
     return busy, max(0.0, end - generated)
 
 
-def run_round(mode: str, scheduler: Scheduler, engine: ReferenceEngine, sink: PoolRewardSink) -> RoundResult:
+def run_round(mode: str, scheduler: Scheduler, engine: RolloutEngine, sink: PoolRewardSink) -> RoundResult:
     result = scheduler.run_round(scheduler.plan_round(), LocalFleet([engine], RealClock(), sink))
     s = result.stats
     busy, exposed = reward_overlap(result)
@@ -143,6 +150,10 @@ def main() -> None:
     p.add_argument("--eta-r-seen", type=float, default=HistoryConfig.eta_r_seen)
     p.add_argument("--prompts", type=int, help="train on the first N rows only (several epochs with --epochs)")
     p.add_argument("--epochs", type=int, help="with --prompts: run epochs x prompts / p0 rounds per mode")
+    replay = p.add_mutually_exclusive_group()
+    replay.add_argument("--replay-median", type=float,
+                        help="every response's length from the parametric long-tail model with this median")
+    replay.add_argument("--replay-trace", help="every response's length from this JSONL length trace")
     p.add_argument("--out", help="write the raw results here (JSON), e.g. bench/results/rollout_history.json")
     args = p.parse_args()
     if (args.epochs is None) != (args.prompts is None) or (args.epochs and args.epochs * args.prompts % args.p0):
@@ -159,6 +170,10 @@ def main() -> None:
     rollout = RolloutConfig(max_response_length=args.limit, kv_cache_tokens=args.kv_tokens,
                             max_running_requests=1024)
     engine = ReferenceEngine(args.policy, rollout)
+    replay = ReplayConfig(enabled=args.replay_median is not None or args.replay_trace is not None,
+                          trace=args.replay_trace, median=args.replay_median or ReplayConfig.median)
+    replay.validate()
+    racing = LengthReplay(engine, ReplayLengths(replay, args.limit)) if replay.enabled else engine
     concurrency = over_launch(args.eta, args.p0) * over_launch(args.eta, args.r0)
     probe = PromptDataset([data], tokenizer, max_prompt_length=256)
     throughputs = [saturated_throughput(engine, probe, concurrency, min(args.limit, 64))]
@@ -171,7 +186,7 @@ def main() -> None:
         pool.wait_ready(60)
         for i in range(rounds):  # interleaved, in alternating order, so every mode sees the same machine load
             for mode in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
-                runs[mode].append(run_round(mode, schedulers[mode], engine, sink))
+                runs[mode].append(run_round(mode, schedulers[mode], racing, sink))
     throughputs.append(saturated_throughput(engine, probe, concurrency, min(args.limit, 64)))
     throughput = statistics.fmean(throughputs)
     print(f"saturated throughput at {concurrency} concurrent requests: "

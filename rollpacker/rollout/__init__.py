@@ -18,14 +18,19 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.Proces
     ``sglang_host``: what runs the SGLang engine's driver (``SGLangEngine``'s ``host``); sglang
     itself is imported only by the engine's host process.
     """
+    engine: RolloutEngine
     if cfg.backend == "reference":
         from rollpacker.rollout.reference import ReferenceEngine
-        return ReferenceEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device)
-    if cfg.backend == "sglang":
+        engine = ReferenceEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device)
+    elif cfg.backend == "sglang":
         from rollpacker.rollout.sglang_backend import SGLangEngine
-        return SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device,
-                            host=sglang_host)
-    raise ValueError(f"unknown rollout backend {cfg.backend!r}; choose 'reference' or 'sglang'")
+        engine = SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device, host=sglang_host)
+    else:
+        raise ValueError(f"unknown rollout backend {cfg.backend!r}; choose 'reference' or 'sglang'")
+    if cfg.length_replay.enabled:
+        from rollpacker.rollout.replay import LengthReplay, ReplayLengths
+        engine = LengthReplay(engine, ReplayLengths(cfg.length_replay, cfg.max_response_length))
+    return engine
 
 
 __all__ = ["make_engine", "RolloutConfig", "RolloutEngine"]

@@ -1,7 +1,8 @@
 """Configuration of the rollout engines."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from rollpacker.configlib import ConfigError
@@ -16,6 +17,25 @@ SGLANG_MAX_LOCAL_RANKS = 16
 SGLANG_PORT_SPAN = SGLANG_PORT_BLOCK * SGLANG_TP_SLOTS * SGLANG_MAX_LOCAL_RANKS
 # launch/train.sh puts the torchrun rendezvous (MASTER_PORT) in [20000, 29000): engines stay out of it.
 RENDEZVOUS_PORTS = range(20000, 29000)
+
+
+@dataclass
+class ReplayConfig:
+    """Length replay (``rollpacker.rollout.replay``): each response as long as a length trace says."""
+
+    enabled: bool = False
+    trace: str | None = None  # a JSONL length trace (docs/formats.md); None: the parametric model below
+    median: float = 64.0  # parametric: the median response length, in tokens
+    sigma_prompt: float = 0.8  # parametric: spread of a prompt's median (log-normal)
+    sigma_response: float = 0.65  # parametric: spread of a response around its prompt's median
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.trace is not None and not Path(self.trace).is_file():
+            raise ConfigError(f"length_replay.trace {self.trace!r} is not a file")
+        if self.median < 1 or self.sigma_prompt < 0 or self.sigma_response < 0:
+            raise ConfigError(f"length_replay needs median >= 1 and sigmas >= 0, got median={self.median}, "
+                              f"sigma_prompt={self.sigma_prompt}, sigma_response={self.sigma_response}")
 
 
 @dataclass
@@ -41,6 +61,8 @@ class RolloutConfig:
     # for a full sglang install. A CPU engine always runs torch_native / pytorch.
     sglang_attention_backend: str | None = "triton"
     sglang_sampling_backend: str | None = "pytorch"
+    # each response as long as a trace says, stop tokens ignored: a timing tool (rollpacker.rollout.replay)
+    length_replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     def validate(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
@@ -70,3 +92,4 @@ class RolloutConfig:
                 raise ConfigError(f"{key} must name a backend, or be null or auto for sglang's own choice")
         if self.drain_timeout_s <= 0:
             raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        self.length_replay.validate()

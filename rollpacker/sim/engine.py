@@ -11,7 +11,7 @@ stays below ``admit_fraction`` of the budget.
 
 Time is event-driven: between events (a finish, an overflow) the running
 batch is fixed, so the time of k decode steps has a closed form
-(``PerfModel.decode_seconds``) and per-request progress is kept lazily as
+(``DecodeCost.decode_seconds``) and per-request progress is kept lazily as
 ``admit_step``; simulating a round costs O(events log n), not O(tokens).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
                                        GenerationRequest, RequestError, RolloutEngine)
 from rollpacker.scheduler.clock import VirtualClock
-from rollpacker.sim.perf import PerfModel
+from rollpacker.sim.perf import DecodeCost
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ class _Request:
 
 
 class SimEngine(RolloutEngine):
-    def __init__(self, perf: PerfModel, clock: VirtualClock, response_length: Callable[[GenerationRequest], int], *,
+    def __init__(self, perf: DecodeCost, clock: VirtualClock, response_length: Callable[[GenerationRequest], int], *,
                  engine_id: int = 0, max_running: int = 1024, admit_fraction: float = 0.9,
                  kv_capacity_tokens: int | None = None) -> None:
         self.perf, self.clock, self.response_length = perf, clock, response_length

@@ -75,7 +75,41 @@ class Efficiency:
     mem_fraction: float = 0.85  # HBM share for weights + KV cache
 
 
-class PerfModel:
+class DecodeCost:
+    """What the modeled engine asks of a cost model. A decode step of ``batch`` requests holding
+    ``context`` KV tokens in all takes ``step_base_seconds(batch) + kv_read_s_per_token x context``;
+    subclasses say what those are, how long a prefill takes and how many KV tokens fit."""
+
+    kv_read_s_per_token: float
+    kv_capacity_tokens: int
+
+    def step_base_seconds(self, batch: int) -> float:
+        raise NotImplementedError
+
+    def prefill_seconds(self, tokens: int) -> float:
+        raise NotImplementedError
+
+    def decode_seconds(self, steps: int, batch: int, context: int) -> float:
+        """``steps`` decode steps of ``batch`` requests starting at ``context`` KV tokens
+        (each step reads the KV, then every request appends one token)."""
+        return (steps * self.step_base_seconds(batch)
+                + self.kv_read_s_per_token * (steps * context + batch * steps * (steps - 1) / 2))
+
+    def steps_within(self, budget: float, batch: int, context: int) -> int:
+        """The most decode steps that fit in ``budget`` seconds."""
+        if budget <= 0:
+            return 0
+        a = self.kv_read_s_per_token * batch / 2
+        b = self.step_base_seconds(batch) + self.kv_read_s_per_token * (context - batch / 2)
+        k = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)) if a > 0 else int(budget / b)
+        while k > 0 and self.decode_seconds(k, batch, context) > budget:
+            k -= 1
+        while self.decode_seconds(k + 1, batch, context) <= budget:
+            k += 1
+        return k
+
+
+class PerfModel(DecodeCost):
     """Step times and KV capacity of one engine (a TP group of ``tp`` GPUs)."""
 
     def __init__(self, model: ModelSpec, gpu: GPUSpec = H800, tp: int = 1, eff: Efficiency = Efficiency()) -> None:
@@ -100,26 +134,24 @@ class PerfModel:
         return (self.eff.step_overhead_s + allreduce
                 + max(self._weight_read_s, 2.0 * self.model.params * batch / self._flop_s))
 
-    def decode_seconds(self, steps: int, batch: int, context: int) -> float:
-        """``steps`` decode steps of ``batch`` requests starting at ``context`` KV tokens
-        (each step reads the KV, then every request appends one token)."""
-        return (steps * self.step_base_seconds(batch)
-                + self.kv_read_s_per_token * (steps * context + batch * steps * (steps - 1) / 2))
-
-    def steps_within(self, budget: float, batch: int, context: int) -> int:
-        """The most decode steps that fit in ``budget`` seconds."""
-        if budget <= 0:
-            return 0
-        a = self.kv_read_s_per_token * batch / 2
-        b = self.step_base_seconds(batch) + self.kv_read_s_per_token * (context - batch / 2)
-        k = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a)) if a > 0 else int(budget / b)
-        while k > 0 and self.decode_seconds(k, batch, context) > budget:
-            k -= 1
-        while self.decode_seconds(k + 1, batch, context) <= budget:
-            k += 1
-        return k
-
     def profile(self, batch: int, context_per_request: int) -> TPProfile:
         """The planner's view: saturated decode throughput at this batch and length."""
         step = self.decode_seconds(1, batch, batch * context_per_request)
         return TPProfile(tp=self.tp, decode_tokens_per_s=batch / step, kv_capacity_tokens=self.kv_capacity_tokens)
+
+
+class FittedCost(DecodeCost):
+    """A cost measured on a machine: a decode step of B requests of x context tokens each takes
+    ``step_s + B x (per_request_s + per_context_token_s x x)``, a prefill ``prefill_per_token_s``
+    per token (``bench.system.cpu_ceiling`` fits them for the reference engine on a CPU)."""
+
+    def __init__(self, step_s: float, per_request_s: float, per_context_token_s: float, prefill_per_token_s: float,
+                 kv_capacity_tokens: int) -> None:
+        self.step_s, self.per_request_s, self.prefill_per_token_s = step_s, per_request_s, prefill_per_token_s
+        self.kv_read_s_per_token, self.kv_capacity_tokens = per_context_token_s, kv_capacity_tokens
+
+    def step_base_seconds(self, batch: int) -> float:
+        return self.step_s + batch * self.per_request_s
+
+    def prefill_seconds(self, tokens: int) -> float:
+        return self.prefill_per_token_s * tokens

@@ -12,7 +12,7 @@ from rollpacker.scheduler import ListPromptSource, LocalFleet, RoundKind, RoundR
 from rollpacker.scheduler.config import HistoryConfig, PlannerConfig, SchedulerConfig
 from rollpacker.scheduler.handoff import HandoffPolicy
 from rollpacker.sim.engine import SimEngine
-from rollpacker.sim.perf import H800, QWEN25, Efficiency, PerfModel
+from rollpacker.sim.perf import H800, QWEN25, DecodeCost, Efficiency, PerfModel
 from rollpacker.sim.reward import SimRewardSink
 from rollpacker.sim.traces import LengthOracle, PromptLengths
 
@@ -59,16 +59,18 @@ class SimCluster:
     seeded order (None: trace order every epoch); ``last_epoch``: see
     ``LengthOracle``. ``async_reward``: a prompt is done when its responses are generated and
     scored (False: the kept samples are scored in a stage after the round); ``reward`` scores them
-    (default: at once, on unlimited workers).
+    (default: at once, on unlimited workers); ``cost(tp)``: an engine's step times at that TP
+    (default: ``PerfModel`` of the settings' model on H800s).
     """
 
     def __init__(self, mode: str, settings: SimSettings, trace: list[PromptLengths], *,
                  history: HistoryConfig | None = None, shuffle_seed: int | None = None,
                  last_epoch: int | None = None, async_reward: bool = True,
-                 reward: Callable[[VirtualClock], SimRewardSink] = SimRewardSink) -> None:
+                 reward: Callable[[VirtualClock], SimRewardSink] = SimRewardSink,
+                 cost: Callable[[int], DecodeCost] | None = None) -> None:
         settings.validate()
         self.settings = settings
-        self.model = QWEN25[settings.model]
+        self.cost = cost or (lambda tp: PerfModel(QWEN25[settings.model], H800, tp, settings.efficiency))
         self.clock = VirtualClock()
         self.oracle = LengthOracle(trace, seed=settings.seed, last_epoch=last_epoch)
         source = ListPromptSource([Prompt(uid=i, input_ids=[0] * p.prompt_length, data_source="trace")
@@ -88,7 +90,7 @@ class SimCluster:
         """The next round; ``stream``: a long round may hand engines to the stream trainer (any but
         engine 0, the coordinator's, the last first; the trace says when and which)."""
         plan = self.scheduler.plan_round()
-        perf = PerfModel(self.model, H800, plan.tp, self.settings.efficiency)
+        perf = self.cost(plan.tp)
         engines = [SimEngine(perf, self.clock, self.oracle, engine_id=i)
                    for i in range(self.settings.gpus // plan.tp)]
         handoff = (HandoffPolicy(candidates=tuple(range(len(engines) - 1, 0, -1)), on_release=lambda released: None)

@@ -5,13 +5,15 @@ to the backend keep working between the (rare) GPU sessions; the GPU verdicts ar
 SGLang checks are real here: the run uses the suite's sglang venv (``tests/sglang_cpu/env.py``), so
 the real ``sglang.Engine`` runs on CPU behind our backend, against transformers and the memory plan.
 
-One check is left out here (``--skip``, reported as skipped): ``program/sglang_baseline_vs_tail_batching``,
+Two checks are left out here (``--skip``, reported as skipped): ``program/sglang_baseline_vs_tail_batching``,
 the program on SGLang in both modes, which the suite already runs with the same bound on every step's
 ``train/logprob_mismatch_max``: tail batching in tests/integration/test_sglang_real.py and
 tests/integration/test_multinode_procs.py (the SGLang tests), the baseline in
-tests/integration/test_stale_sync.py (its SGLang run's genuine first step). The same harness
-(``check_program``) still runs here on the reference engine; the GPU run (``--device cuda``) runs
-every check.
+tests/integration/test_stale_sync.py (its SGLang run's genuine first step); and its replayed-length
+twin ``program/sglang_replay_baseline_vs_tail_batching``, whose one addition, length replay on the
+real SGLang engine, the backend section of test_sglang_real.py checks. The same harness
+(``check_program``, ``check_replay_program``) still runs here on the reference engine; the GPU run
+(``--device cuda``) runs every check.
 
 Two checks run at a time (``--jobs 2``), each in its own process as on the GPU and on a CPU of its
 own: sharing both CPUs, the SGLang engine's threads were preempted by the other check's (its check
@@ -27,7 +29,8 @@ import pytest
 
 from tests.sglang_cpu.env import REPO, engine_env
 
-COVERED_ELSEWHERE = ["program/sglang_baseline_vs_tail_batching"]  # see the module's docstring
+COVERED_ELSEWHERE = ["program/sglang_baseline_vs_tail_batching",  # see the module's docstring
+                     "program/sglang_replay_baseline_vs_tail_batching"]
 
 
 @pytest.mark.timeout(1600)  # its own subprocess limit is 1500 s
@@ -41,7 +44,7 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:])
     checks = results["checks"]
     # per-subject checks on the policy only (Sizes.per_subject_on_shape)
-    assert len(checks) == 13 and results["skipped"] == COVERED_ELSEWHERE, sorted(checks)
+    assert len(checks) == 14 and results["skipped"] == COVERED_ELSEWHERE, sorted(checks)
     assert "[acceptance] program/sglang_baseline_vs_tail_batching: skipped (--skip)" in proc.stdout
     assert checks["policy/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     assert checks["policy/gradient_parity"]["fp32"]["rel_l2_err"] < 1e-6  # CPU against itself: identical
@@ -59,6 +62,8 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv
     assert program["modes"]["tail_batching"]["steps"] == program["modes"]["baseline"]["steps"] == 2
     for mode in program["modes"].values():
         assert all(b > 0 for b in mode["sync_bytes"]) and mode["sync_ok"], mode
+    replay = checks["program/replay_baseline_vs_tail_batching"]
+    assert replay["replay"]["p0"] == 4 and all(m["steps"] == 2 and m["sync_ok"] for m in replay["modes"].values())
     report = (tmp_path / "acceptance.md").read_text()
     assert "| policy/gradient_parity | ok |" in report and "| policy/sglang_engine | ok |" in report
     assert "| program/sglang_baseline_vs_tail_batching | skipped (--skip) |" in report

@@ -86,7 +86,8 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
     - the engine's ready descriptor turns readable when a request finishes and a poll reads it empty
       (its server sleeps on it instead of polling the engine host);
     - requests evicted mid-decode and resubmitted with their tokens end as greedy requests that
-      never moved (a hand-off's migration)."""
+      never moved (a hand-off's migration);
+    - length replay: requests with stop tokens, sampled, each end at exactly its replayed length."""
     verdict = checked(engine_checks, "backend")
     assert_all_true(verdict)
     assert set(verdict) >= {"perturbation_changes_output", "under_torchrun_agent_store",
@@ -96,7 +97,8 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
                             "backend_raises_when_sglang_refuses", "stats_kv_capacity_is_the_engines",
                             "stats_report_engine_load", "release_after_abort_waits_for_idle",
                             "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers",
-                            "doorbell_rings_once_a_request_finishes", "evicted_then_resumed_equals_greedy"}
+                            "doorbell_rings_once_a_request_finishes", "evicted_then_resumed_equals_greedy",
+                            "backend_length_replay_is_exact"}
 
 
 def test_engine_hosts_on_real_engines(engine_checks):

@@ -189,6 +189,27 @@ def check_backend(eng, ref: Reference, verdict: dict) -> None:
         "after update", backend_generate(eng, "b", ref.prompts), ref.want_after)
     verdict["backend_raises_when_sglang_refuses"] = refusal_surfaces(eng, ref.new_weights)
     verdict.update(lifecycle_checks(eng, ref.prompts, ref.want_after))
+    verdict["backend_length_replay_is_exact"] = replay_is_exact(eng, ref.prompts)
+
+
+def replay_is_exact(eng, prompts) -> bool | str:
+    """Length replay over the real engine: each response exactly its replayed length, although the
+    requests carry stop tokens that sampling at temperature 1 meets (sglang told to ignore EOS)."""
+    from rollpacker.rollout.config import ReplayConfig
+    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+    from rollpacker.rollout.replay import LengthReplay, ReplayLengths
+
+    lengths = ReplayLengths(ReplayConfig(enabled=True, median=6, seed=3), limit=24)
+    replayed = LengthReplay(eng, lengths)
+    stops = tuple(range(0, 200, 3))  # a third of the small ids: without replay most responses end early
+    requests = [GenerationRequest(f"p{i}e0r{r}", ids, SamplingParams(max_new_tokens=24, stop_token_ids=stops, seed=r))
+                for i, ids in enumerate(prompts) for r in range(2)]
+    replayed.submit(requests)
+    done, deadline = {}, time.monotonic() + 120
+    while len(done) < len(requests) and time.monotonic() < deadline:
+        done.update((c.request_id, len(c.output_ids)) for c in replayed.poll(timeout=1.0))
+    want = {r.request_id: lengths(r) for r in requests}
+    return True if done == want else f"lengths {done}, replayed {want}"
 
 
 def refusal_surfaces(eng, new_weights: Weights) -> bool | str:

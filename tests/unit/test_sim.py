@@ -122,3 +122,26 @@ def test_cli_runs_a_trace_and_reports_json(tmp_path, capsys):
     bad.write_text('{"prompt_id": 1, "lengths": [-4]}\n')
     assert main(["--trace", str(bad)]) == 2
     assert f"{bad}:1: lengths[0] = -4" in capsys.readouterr().err
+
+
+def test_fitted_cost_recovers_the_affine_step_and_runs_the_modeled_engine():
+    """bench.system.cpu_ceiling's fit on exact affine timings gives back the coefficients, and the modeled
+    engine's closed forms agree with step-by-step sums at that cost."""
+    from bench.system.cpu_ceiling import fit
+    from rollpacker.sim.perf import FittedCost
+
+    a, b, c = 2.4e-3, 6e-5, 7e-7
+    rows = [{"batch": n, "prompt": x, "context": x + 12, "step_s": a + n * (b + c * (x + 12)), "prefill_s": 1e-5 * n * x}
+            for n in (1, 4, 16, 64) for x in (32, 128, 384)]
+    cost, fitted = fit(rows, 32768)
+    print({k: f"{v:.3g}" for k, v in fitted.items()})
+    assert (fitted["step_s"], fitted["per_request_s"], fitted["per_context_token_s"]) == pytest.approx((a, b, c), rel=1e-6)
+    assert fitted["max_relative_error"] < 1e-6 and fitted["prefill_per_token_s"] == pytest.approx(1e-5)
+    stepwise = sum(cost.decode_seconds(1, 8, 8 * 100 + 8 * j) for j in range(50))
+    assert cost.decode_seconds(50, 8, 800) == pytest.approx(stepwise, rel=1e-12)
+    k = cost.steps_within(0.05, 8, 800)
+    assert cost.decode_seconds(k, 8, 800) <= 0.05 < cost.decode_seconds(k + 1, 8, 800)
+    clock = VirtualClock()
+    engine = SimEngine(FittedCost(a, b, c, 1e-5, 32768), clock, lambda req: 40)
+    engine.submit([GenerationRequest(f"p0e0r{i}", [0] * 16, SamplingParams(max_new_tokens=64)) for i in range(4)])
+    assert sorted(len(x.output_ids) for x in drain(engine, clock)) == [40] * 4
