@@ -62,7 +62,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from multiprocessing.connection import Client, wait
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -192,17 +191,14 @@ class _ProcessHost:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _connect(self, address: str, key: bytes):
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        while True:
-            try:
-                return Client(address, family="AF_UNIX", authkey=key)
-            except (FileNotFoundError, ConnectionRefusedError):
-                if self._exit_status() is not None:
-                    raise self._died("start") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"engine {self.engine_id}: its host process {self.proc.pid} did not "
-                                       f"listen within {CONNECT_TIMEOUT_S}s") from None
-                time.sleep(0.05)
+        """Connect once the host rings its doorbell (it listens then), or say why it never did."""
+        if self.doorbell not in wait([self.doorbell, self._exited], CONNECT_TIMEOUT_S):
+            if self._exit_status() is not None:
+                raise self._died("start")
+            raise TimeoutError(f"engine {self.engine_id}: its host process {self.proc.pid} did not listen within "
+                               f"{CONNECT_TIMEOUT_S}s")
+        os.read(self.doorbell, 1)
+        return Client(address, family="AF_UNIX", authkey=key)
 
     def _reply(self, method: str, timeout_s: float | None) -> Any:
         """The host's answer; its exit ends the wait as an answer would (a reply it sent first is read)."""

@@ -315,7 +315,9 @@ class SGLangDriver:
                                   "load_snapshot": load is not None})
 
     def engine_load(self) -> Any:
-        """The scheduler's latest load snapshot, or None if it publishes none."""
+        """The scheduler's latest load snapshot, or None if it publishes none. For the host's own use:
+        it is sglang's object, and unpickling it in a rank would import sglang there (``stats``
+        carries its figures across)."""
         loads = self._loop.run(self._call("TokenizerManager.get_loads")).result(timeout=LOAD_TIMEOUT_S)
         return loads[0] if loads else None
 
@@ -487,14 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the rank, which ends the host
     _die_with_parent()
+    doorbell = int(os.environ.pop(DOORBELL_ENV))
     with Listener(argv[0], family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(KEY_ENV))) as listener:
+        os.write(doorbell, b"\0")  # listening: the rank connects on this ring (its pipe is empty yet)
         conn = listener.accept()
     spec = conn.recv()
     try:
         surface = installed_surface()  # refuses an unsupported release before sglang is imported
         check_call(surface, "Engine.__init__", spec["kwargs"])
         import sglang
-        doorbell = int(os.environ.pop(DOORBELL_ENV))
         os.set_blocking(doorbell, False)
         driver = SGLangDriver(sglang.Engine(**spec["kwargs"]), spec["cfg"], spec["engine_id"], surface,
                               spec["vocab_size"], doorbell=doorbell)

@@ -28,6 +28,7 @@ training replicas.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import statistics
 from dataclasses import dataclass
@@ -135,8 +136,7 @@ class StepModel:
         self.params = model.params
         self.gpu_tokens_per_s = costs.mfu * H800.bf16_flops / (costs.flops_per_token * model.params)
         self.sync_s = costs.switch_s + model.weight_bytes / costs.sync_bytes_per_s
-        reward: Callable[[Any], SimRewardSink] = lambda clock: SimRewardSink(  # noqa: E731
-            clock, latency_fn=costs.reward_latency, workers=costs.reward_workers)
+        reward = functools.partial(SimRewardSink, latency_fn=costs.reward_latency, workers=costs.reward_workers)
         self.cluster = SimCluster(component.mode, self.settings, trace, async_reward=component.async_reward,
                                   reward=reward)
 

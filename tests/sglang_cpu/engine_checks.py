@@ -166,13 +166,14 @@ def backend_generate(eng, tag: str, prompts, max_new_tokens: int = NEW_TOKENS, t
     from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    eng.submit([GenerationRequest(f"{tag}-{i}", ids, params) for i, ids in enumerate(prompts)])
+    ours = [f"{tag}-{i}" for i in range(len(prompts))]
+    eng.submit([GenerationRequest(rid, ids, params) for rid, ids in zip(ours, prompts)])
     done, deadline = {}, time.monotonic() + timeout_s
-    while len(done) < len(prompts) and time.monotonic() < deadline:
-        done.update((c.request_id, list(c.output_ids)) for c in eng.poll(timeout=1.0))  # arrays from the host
+    while len(done) < len(prompts) and time.monotonic() < deadline:  # an earlier check's late results do not count
+        done.update((c.request_id, list(c.output_ids)) for c in eng.poll(timeout=1.0) if c.request_id in ours)
     if len(done) < len(prompts):
         STALLS[tag] = stall_report(eng)
-    return [done.get(f"{tag}-{i}", []) for i in range(len(prompts))]
+    return [done.get(rid, []) for rid in ours]
 
 
 def check_backend(eng, ref: Reference, verdict: dict) -> None:

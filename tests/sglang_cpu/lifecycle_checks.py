@@ -21,25 +21,51 @@ def progress(name: str, value) -> None:
     print(f"PROGRESS {name}: {value!r}", flush=True)
 
 
-def engine_load(eng):
-    """The scheduler's own load snapshot (running, waiting, KV tokens), read in the engine host."""
-    return eng._host.call("engine_load")
+def _main_thread_times() -> tuple[float, float]:
+    """This thread's seconds on a CPU and waiting in a run queue (``/proc/thread-self/schedstat``)."""
+    try:
+        on_cpu, waiting, _ = open("/proc/thread-self/schedstat").read().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
 
 
 def wait_until_running(eng, n: int, timeout_s: float = 30.0):
-    """Block until the scheduler reports ``n`` running requests (so an abort hits running ones)."""
+    """Block until ``stats()`` (the scheduler's load snapshot, read in the engine host) reports ``n``
+    running requests, so that an abort hits running ones. On a timeout, the slowest read says where
+    its time went: on this thread's CPU, waiting for one, or neither (blocked), with every thread's
+    stack if it took over a second. (Reading sglang's own snapshot object here instead once made
+    the first read import sglang into this process: 1-4 s on a loaded machine, by which time the
+    requests had finished.)"""
+    import faulthandler
+    import tempfile
+
     started = time.monotonic()
     seen: dict[tuple[int, int], float] = {}  # (running, waiting) -> seconds after the start it was first read
-    while time.monotonic() < started + timeout_s:
-        load = engine_load(eng)
-        if load.num_running_reqs >= n:
-            return load
-        seen.setdefault((load.num_running_reqs, load.num_waiting_reqs), round(time.monotonic() - started, 2))
-        time.sleep(0.05)
+    slowest = (0.0, "")
+    with tempfile.TemporaryFile("w+") as stacks:
+        while time.monotonic() < started + timeout_s:
+            t0, (cpu0, queued0) = time.monotonic(), _main_thread_times()
+            stacks.seek(0)
+            stacks.truncate()
+            faulthandler.dump_traceback_later(1.0, file=stacks)
+            try:
+                load = eng.stats()
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            took, (cpu1, queued1) = time.monotonic() - t0, _main_thread_times()
+            if took > slowest[0]:
+                stacks.seek(0)
+                slowest = (took, f"the slowest read took {took:.2f} s from {t0:.2f} (monotonic): {cpu1 - cpu0:.2f} s on "
+                                 f"a CPU, {queued1 - queued0:.2f} s waiting for one; threads after 1 s:\n{stacks.read()}")
+            if load.running >= n and load.extra["load_snapshot"]:
+                return load
+            seen.setdefault((load.running, load.waiting), round(time.monotonic() - started, 2))
+            time.sleep(0.05)
     from engine_checks import stall_report
-    raise TimeoutError(f"the engine never reported {n} running requests: last load {engine_load(eng)}\n"
+    raise TimeoutError(f"the engine never reported {n} running requests: last load {eng.stats()}\n"
                        f"(running, waiting) first read after s: {seen}, from {started:.2f} (monotonic)\n"
-                       f"the engine host's state:\n{stall_report(eng)}")
+                       f"{slowest[1]}\nthe engine host's state:\n{stall_report(eng)}")
 
 
 def lifecycle_checks(eng, prompts, want) -> dict:
@@ -63,7 +89,7 @@ def lifecycle_checks(eng, prompts, want) -> dict:
     busy = eng.stats()
     verdict["stats_report_engine_load"] = (
         True if busy.kv_tokens_used > 0 and busy.running == len(prompts) and busy.waiting == 0
-        else f"while the engine ran {load.num_running_reqs} requests on {load.num_used_tokens} KV tokens, "
+        else f"while the engine ran {load.running} requests on {load.kv_tokens_used} KV tokens, "
              f"stats() said running={busy.running} waiting={busy.waiting} kv_tokens_used={busy.kv_tokens_used}")
     progress("stats_report_engine_load", verdict["stats_report_engine_load"])
 
@@ -126,20 +152,28 @@ def doorbell_check(eng, prompt) -> bool | str:
     fd = eng.ready_fd()
     if fd is None:
         return "the SGLang engine has no ready descriptor"
-    # The host rings after it queues a result, so a poll may take a result whose ring lands after the
-    # poll's drain: a ring may be spurious (a server's poll then finds nothing), never missing. One
-    # poll with nothing in flight reads those late rings; after it the descriptor must stay quiet.
-    stray = eng.poll(0.0)
-    if stray:
-        return f"a poll with nothing in flight returned {[c.request_id for c in stray]}"
-    if select.select([fd], [], [], 0)[0]:
-        return "the ready descriptor was readable after a poll, with no request in flight"
+
+    def settle() -> str | None:
+        """Poll until the descriptor stays quiet for 0.5 s. The host queues a result and rings next, so
+        a poll may take a result whose ring lands after it, seconds later on a loaded machine (seen in
+        stress runs): a ring may be spurious, never missing, and a poll reads whatever has landed."""
+        for _ in range(20):
+            stray = eng.poll(0.0)
+            if stray:
+                return f"a poll with nothing in flight returned {[c.request_id for c in stray]}"
+            if not select.select([fd], [], [], 0.5)[0]:
+                return None
+        return "the ready descriptor kept turning readable with nothing in flight"
+
+    problem = settle()
+    if problem:
+        return problem
     eng.submit([GenerationRequest("bell", prompt, SamplingParams(temperature=0.0, max_new_tokens=8))])
-    rang = bool(select.select([fd], [], [], 120)[0])
+    rang = bool(select.select([fd], [], [], 120)[0])  # settled before: this ring is the bell's
     done = [c.request_id for c in eng.poll(0.0)]
-    quiet = not select.select([fd], [], [], 0)[0]
-    return True if rang and done == ["bell"] and quiet else (
-        f"rang: {rang}; the poll after it returned {done}; read empty by that poll: {quiet}")
+    problem = settle()
+    return True if rang and done == ["bell"] and problem is None else (
+        f"rang: {rang}; the poll after it returned {done}; then: {problem or 'quiet'}")
 
 
 def start_under_torchrun(start, verdict: dict):

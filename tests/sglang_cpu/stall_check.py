@@ -162,7 +162,7 @@ class BackendEngine:
     def dump(self) -> None:
         from engine_checks import stall_report
         load: dict = {}
-        reader = threading.Thread(target=lambda: load.update(v=self.eng._host.call("engine_load")), daemon=True)
+        reader = threading.Thread(target=lambda: load.update(v=self.eng.stats()), daemon=True)
         reader.start()
         reader.join(40)
         say(f"  scheduler load (through the host): {load.get('v', 'no answer within 40 s')}")

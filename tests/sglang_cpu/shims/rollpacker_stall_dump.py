@@ -4,8 +4,11 @@ Loaded by ``rollpacker_stall_dump.pth`` in every process of the test venv, and a
 ``ROLLPACKER_STALL_DUMP_DIR`` names a folder (``host_checks.py`` sets it for the engine hosts it
 starts). The dump goes to ``<dir>/host-<pid>.txt``: per ``TokenizerManager``, its pause flag, the
 reader/writer counts of its weight-update lock, what its socket to the scheduler has queued, its
-open request states, and every task of its event loop with its stack. A generation that never
-starts waits in one of these; the thread stacks alone (faulthandler) only show the loop asleep.
+open request states, and every task of its event loop with its stack; the host's flock calls and
+log writes that blocked over 50 ms; when each coroutine around the last generation was handed to
+the loop, started and ended; and when each reply left for the rank. With the rank's own record of
+when its reads came back (``lifecycle_checks.wait_until_running``), that tells a late engine from
+a late rank: the last stall was the rank, importing sglang to unpickle an sglang object.
 """
 from __future__ import annotations
 
@@ -94,6 +97,15 @@ def _dump(signum, frame) -> None:
                 lines.append(f"could not describe {obj!r}: {exc!r}")
     import time
     lines.append(f"now {time.monotonic():.2f} (monotonic); blocking calls over {SLOW_S} s: {SLOW or 'none'}")
+    # around the last generation handed over: where a stall starts
+    last = max((i for i, entry in enumerate(HANDED) if "_generate" in entry[0]), default=len(HANDED) - 1)
+    lines.append("coroutines handed to the loop around the last generation (handed over, started, ended; monotonic):")
+    lines.extend(f"  {what} from {thread}: {t0:.2f} {'never' if t1 is None else f'{t1:.2f}'} "
+                 f"{'never' if t2 is None else f'{t2:.2f}'}" for what, t0, t1, t2, thread in HANDED[max(0, last - 5):last + 25])
+    if HANDED[max(0, last - 5):]:
+        since = HANDED[max(0, last - 5)][1]
+        lines.append("replies sent to the rank from then on (monotonic): "
+                     + " ".join(f"{t:.2f}" for t in SENT if t >= since)[:600])
     path = os.path.join(os.environ[DIR_ENV], f"host-{os.getpid()}.txt")
     with open(path + ".part", "w") as f:
         f.write("\n".join(lines or ["no TokenizerManager in this process"]) + "\n\nthreads:\n")
@@ -125,14 +137,59 @@ def _timed(fn, what: str):
     return timed
 
 
+HANDED: list[list] = []  # [what, handed over, started on the loop, ended, handing thread], the last 5000
+
+
+def _handed(run_coroutine_threadsafe):
+    """``asyncio.run_coroutine_threadsafe``, recording when each coroutine is handed to the loop and
+    when the loop starts and ends it: a late start is the loop's, a late hand-over the caller's."""
+    import threading
+    import time
+
+    def handed(coro, loop):
+        entry = [getattr(coro, "__qualname__", repr(coro)), time.monotonic(), None, None,
+                 threading.current_thread().name]
+        HANDED.append(entry)
+        del HANDED[:-5000]
+
+        async def timed():
+            entry[2] = time.monotonic()
+            try:
+                return await coro
+            finally:
+                entry[3] = time.monotonic()
+        return run_coroutine_threadsafe(timed(), loop)
+    return handed
+
+
+SENT: list[float] = []  # when the host's main thread sent each reply to the rank, the last 5000
+
+
+def _sent(send):
+    import time
+
+    def timed_send(self, obj):
+        try:
+            return send(self, obj)
+        finally:
+            SENT.append(time.monotonic())
+            del SENT[:-5000]
+    return timed_send
+
+
 def _watch_blocking_calls() -> None:
-    """Two suspects of a loop that stalls: the flock around sglang's load snapshot, and log
-    records written into a full pipe."""
+    """Suspects of a loop that stalls: the flock around sglang's load snapshot, log records written
+    into a full pipe, and coroutines that wait to be started."""
+    import asyncio
     import fcntl
     import logging
 
     fcntl.flock = _timed(fcntl.flock, "fcntl.flock")
     logging.StreamHandler.emit = _timed(logging.StreamHandler.emit, "a log record's write")
+    asyncio.run_coroutine_threadsafe = _handed(asyncio.run_coroutine_threadsafe)
+    from multiprocessing.connection import Connection
+
+    Connection.send = _sent(Connection.send)
 
 
 if os.environ.get(DIR_ENV):
