@@ -245,8 +245,8 @@ def t_div(settings: dict[str, Any]) -> int:
     return settings["trace"]["median_divisor"]
 
 
-def cpu_ceiling_figures(r: dict[str, Any]) -> dict[str, float]:
-    """The modeled (ceiling) and measured rollout and step figures of bench.system.cpu_ceiling."""
+def cpu_decode_bound_figures(r: dict[str, Any]) -> dict[str, float]:
+    """The decode-cost model's and the program's rollout and step figures of bench.system.cpu_decode_bound."""
     m = r["measured"]
     base = statistics.fmean(x for run in r["modeled"] for x in run["baseline"])
     tail = statistics.fmean(x for run in r["modeled"] for x in run["tail_batching"])
@@ -258,10 +258,10 @@ def cpu_ceiling_figures(r: dict[str, Any]) -> dict[str, float]:
             "e2e_x": m["baseline"]["step_s"] / m["tail_batching"]["step_s"]}
 
 
-def cpu_ceiling(r: dict[str, Any]) -> str:
-    """bench.system.cpu_ceiling: what the engine's decode cost lets tail batching gain here, beside the program."""
+def cpu_decode_bound(r: dict[str, Any]) -> str:
+    """bench.system.cpu_decode_bound: what the engine's decode cost lets tail batching gain here, beside the program."""
     s, f, t, m = r["settings"], r["fit"], r["trace"], r["measured"]
-    x = cpu_ceiling_figures(r)
+    x = cpu_decode_bound_figures(r)
     share_b, share_t = x["model_base"] / m["baseline"]["rollout_s"], x["model_tail"] / m["tail_batching"]["rollout_s"]
     return "\n".join([
         f"The reference engine's decode step here, with {s['engines']} engines at once as in the example, fitted over "
@@ -428,9 +428,9 @@ GPU_RUN = "docs/gpu/2026-11-23-h100-b/run3-acceptance.json"
 def headline() -> str:
     """README's front-page table: one line per kind of evidence, each linking to its full block and
     saying whether its figure is the rollout alone or the whole step."""
-    e2e_r, sim_r, step_r, control_r, ceiling_r = (json.loads((RESULTS / f"{n}.json").read_text())
-                                                  for n in ("e2e", "sim", "sim_step", "control", "cpu_ceiling"))
-    ceiling = cpu_ceiling_figures(ceiling_r)
+    e2e_r, sim_r, step_r, control_r, decode_r = (json.loads((RESULTS / f"{n}.json").read_text())
+                                                  for n in ("e2e", "sim", "sim_step", "control", "cpu_decode_bound"))
+    decode = cpu_decode_bound_figures(decode_r)
     gpu = json.loads((REPO / GPU_RUN).read_text())
     speedups = list(e2e_r["per_seed_speedup"].values())
     parity = e2e_r["reward_parity"]
@@ -449,11 +449,11 @@ def headline() -> str:
         f"synchronous baseline (per seed {min(speedups):.2f}–{max(speedups):.2f}×); reward difference "
         f"{parity['mean']:+.3f} [{parity['low']:+.3f}, {parity['high']:+.3f}] (95% paired interval): "
         f"{parity['verdict'].split(' (')[0]}. From decode time alone (this engine's fitted cost, the example's "
-        f"lengths) tail batching gains {ceiling['model_rollout_x']:.2f}× rollout, {ceiling['model_e2e_x']:.2f}× end "
-        f"to end (measured: {ceiling['rollout_x']:.2f}× and {ceiling['e2e_x']:.2f}×) "
+        f"lengths) tail batching gains {decode['model_rollout_x']:.2f}× rollout, {decode['model_e2e_x']:.2f}× end "
+        f"to end (measured: {decode['rollout_x']:.2f}× and {decode['e2e_x']:.2f}×) "
         f"| [results: end to end](docs/results.md#end-to-end), `{e2e_r['command']}` at {e2e_r['commit']}; "
-        f"[decode-cost model](docs/results.md#what-decode-time-allows-on-this-cpu), `{ceiling_r['command']}` at "
-        f"{ceiling_r['commit']} |",
+        f"[decode-cost model](docs/results.md#what-decode-time-allows-on-this-cpu), `{decode_r['command']}` at "
+        f"{decode_r['commit']} |",
         f"| GPU acceptance ({gpu['env']['device']}, {gpu['env']['date'][:10]}), end to end | {passed} of "
         f"{len(checks)} checks passed; the program "
         f"{program['speedup_tail_batching_over_baseline']:.2f}× s/step with tail batching "
@@ -535,7 +535,7 @@ def _messages(counts: dict[str, int], rounds: int) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout, "rollout_replay": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
-    "sim": sim, "sim_step": sim_step, "cpu_ceiling": cpu_ceiling, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
+    "sim": sim, "sim_step": sim_step, "cpu_decode_bound": cpu_decode_bound, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
     "engine": engine, "reward": reward, "control": control}
 
 

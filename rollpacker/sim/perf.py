@@ -143,7 +143,7 @@ class PerfModel(DecodeCost):
 class FittedCost(DecodeCost):
     """A cost measured on a machine: a decode step of B requests of x context tokens each takes
     ``step_s + B x (per_request_s + per_context_token_s x x)``, a prefill ``prefill_per_token_s``
-    per token (``bench.system.cpu_ceiling`` fits them for the reference engine on a CPU)."""
+    per token (``bench.system.cpu_decode_bound`` fits them for the reference engine on a CPU)."""
 
     def __init__(self, step_s: float, per_request_s: float, per_context_token_s: float, prefill_per_token_s: float,
                  kv_capacity_tokens: int) -> None:

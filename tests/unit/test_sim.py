@@ -125,9 +125,9 @@ def test_cli_runs_a_trace_and_reports_json(tmp_path, capsys):
 
 
 def test_fitted_cost_recovers_the_affine_step_and_runs_the_modeled_engine():
-    """bench.system.cpu_ceiling's fit on exact affine timings gives back the coefficients, and the modeled
+    """bench.system.cpu_decode_bound's fit on exact affine timings gives back the coefficients, and the modeled
     engine's closed forms agree with step-by-step sums at that cost."""
-    from bench.system.cpu_ceiling import fit
+    from bench.system.cpu_decode_bound import fit
     from rollpacker.sim.perf import FittedCost
 
     a, b, c = 2.4e-3, 6e-5, 7e-7

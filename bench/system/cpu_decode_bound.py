@@ -1,6 +1,6 @@
-"""The most tail batching can gain on this CPU with the shipped example, beside what the program measured.
+"""What decode time alone lets tail batching gain on this CPU with the shipped example, beside the program.
 
-    python -m bench.system.cpu_ceiling [--seeds 4] [--out bench/results/cpu_ceiling.json]
+    python -m bench.system.cpu_decode_bound [--seeds 4] [--out bench/results/cpu_decode_bound.json]
 
 Three steps, on a quiet machine (the sweep times the engine):
 1. The reference engine's decode cost here, as the example's ranks see it: the shipped policy
@@ -13,10 +13,11 @@ Three steps, on a quiet machine (the sweep times the engine):
    data, R responses each at the example's temperature and length limit, stopping at EOS.
 3. The real scheduler over two modeled engines with the fitted cost (the example's 2 ranks, TP 1) on
    that trace, at the settings of ``bench/results/e2e.json`` (P0, R0, steps): baseline vs tail
-   batching rollout seconds, over seeds. Those are rollouts with no coordinator, reward or
-   transport cost: the ceiling of what the program can gain here. The step's other seconds come
-   from the program's own measured steps in ``e2e.json``, so the end-to-end ceiling is
-   (modeled baseline rollout + measured rest) / (modeled tail-batching rollout + measured rest).
+   batching rollout seconds, over seeds, with no coordinator, reward or transport time. The step's
+   other seconds come from the program's own measured steps in ``e2e.json``: (modeled baseline
+   rollout + measured rest) / (modeled tail-batching rollout + measured rest) end to end.
+   This bounds the gain that decode time allows; the program also spends time outside decoding,
+   which tail batching cuts too, so it is no bound on the program's measured gain.
 
 Raw results go to ``--out`` (the trace beside it as JSONL, for ``rollpacker-sim --trace``);
 ``python -m bench.tools.report`` renders the table in docs/results.md and the README's CPU row.
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.tools.report import cpu_ceiling as render
+from bench.tools.report import cpu_decode_bound as render
 from bench.tools.results import REPO, write_results
 from rollpacker.config import load_config
 from rollpacker.rollout.config import RolloutConfig
@@ -140,7 +141,7 @@ def main() -> None:
     p.add_argument("--trace-prompts", type=int, default=256)
     p.add_argument("--trace-responses", type=int, default=8)
     p.add_argument("--seeds", type=int, default=4, help="scheduler seeds (prompt order and draws)")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_ceiling.json"))
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "cpu_decode_bound.json"))
     args = p.parse_args()
     cfg = load_config(CONFIG)
     torch.set_num_threads(cfg.run.threads_per_rank)
@@ -156,7 +157,7 @@ def main() -> None:
               f"{1e6 * fitted['per_context_token_s']:.2f} us x context); error median "
               f"{fitted['median_relative_error']:.1%}, max {fitted['max_relative_error']:.1%}", flush=True)
         trace = example_trace(cfg, args.trace_prompts, args.trace_responses, seed=0)
-    trace_path = Path(args.out).with_name("cpu_ceiling_trace.jsonl")
+    trace_path = Path(args.out).with_name("cpu_decode_bound_trace.jsonl")
     trace_path.write_text("".join(json.dumps({"prompt_id": t.prompt_id, "lengths": list(t.lengths),
                                               "prompt_length": t.prompt_length}) + "\n" for t in trace))
     s = e2e["settings"]
