@@ -27,7 +27,7 @@ from bench.e2e.stats import PUBLISHED_ABLATION, ROLLPACKER
 from bench.tools.report import sim as render
 from bench.tools.results import REPO, write_results
 from rollpacker.sim.run import SimSettings, row_dict, run_mode, summarize
-from rollpacker.sim.traces import longtail_trace
+from rollpacker.sim.traces import PromptLengths, longtail_trace
 
 PUBLISHED = [  # model, limit, GPUs, rollout TP, baseline s, tail batching s; end to end: stats.PUBLISHED_ABLATION
     ("7b", 8192, 16, 1, 82.0, 47.0),
@@ -37,11 +37,16 @@ PUBLISHED = [  # model, limit, GPUs, rollout TP, baseline s, tail batching s; en
 TRACE = {"prompts": 2048, "samples": 10, "median_divisor": 28, "sigma_prompt": 0.8, "sigma_response": 0.65}
 
 
+def published_trace(limit: int, seed: int) -> list[PromptLengths]:
+    """The long-tail model's lengths (``TRACE``) for a response limit: the published shape."""
+    return longtail_trace(TRACE["prompts"], samples=TRACE["samples"], median=limit / TRACE["median_divisor"],
+                          limit=limit, sigma_prompt=TRACE["sigma_prompt"], sigma_response=TRACE["sigma_response"],
+                          seed=seed)
+
+
 def run_seed(settings: SimSettings) -> dict:
     """One seed of one model: the three modes on one trace, each round's stats and the summaries."""
-    trace = longtail_trace(TRACE["prompts"], samples=TRACE["samples"], median=settings.limit / TRACE["median_divisor"],
-                           limit=settings.limit, sigma_prompt=TRACE["sigma_prompt"],
-                           sigma_response=TRACE["sigma_response"], seed=settings.seed)
+    trace = published_trace(settings.limit, settings.seed)
     rounds = {"baseline": run_mode("baseline", settings, trace),
               "tail_batching": run_mode("tail_batching", settings, trace),
               "planner": run_mode("tail_batching", dataclasses.replace(settings, planner=True), trace)}

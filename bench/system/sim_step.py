@@ -17,12 +17,11 @@ import dataclasses
 import json
 
 from bench.e2e.stats import PUBLISHED_ABLATION
-from bench.system.sim import PUBLISHED, TRACE
+from bench.system.sim import PUBLISHED, TRACE, published_trace
 from bench.tools.report import sim_step as render
 from bench.tools.results import REPO, write_results
 from rollpacker.sim.run import SimSettings
 from rollpacker.sim.step import StepCosts, run_ablation, step_dict, summarize_steps
-from rollpacker.sim.traces import longtail_trace
 
 
 def main() -> None:
@@ -34,10 +33,7 @@ def main() -> None:
     costs, models = StepCosts(), []
     for i, (model, limit, gpus, tp, base_s, tail_s) in enumerate(PUBLISHED):
         settings = SimSettings(model=model, gpus=gpus, tp=tp, limit=limit, rounds=args.rounds, seed=args.seed)
-        trace = longtail_trace(TRACE["prompts"], samples=TRACE["samples"], median=limit / TRACE["median_divisor"],
-                               limit=limit, sigma_prompt=TRACE["sigma_prompt"],
-                               sigma_response=TRACE["sigma_response"], seed=args.seed)
-        steps = run_ablation(settings, trace, costs)
+        steps = run_ablation(settings, published_trace(limit, args.seed), costs)
         models.append({"model": model, "limit": limit, "gpus": gpus, "tp": tp,
                        "published": {key: row[i] for key, row in PUBLISHED_ABLATION.items()},
                        "published_rollout_s": {"baseline": base_s, "tail_batching": tail_s},

@@ -130,10 +130,9 @@ class StepModel:
     def __init__(self, component: Component, settings: SimSettings, trace: list[PromptLengths],
                  costs: StepCosts) -> None:
         costs.validate()
-        self.component, self.costs = component, costs
+        self.component = component
         self.settings = dataclasses.replace(settings, planner=component.planner)
         model = QWEN25[settings.model]
-        self.params = model.params
         self.gpu_tokens_per_s = costs.mfu * H800.bf16_flops / (costs.flops_per_token * model.params)
         self.sync_s = costs.switch_s + model.weight_bytes / costs.sync_bytes_per_s
         reward = functools.partial(SimRewardSink, latency_fn=costs.reward_latency, workers=costs.reward_workers)
