@@ -13,7 +13,7 @@ the ``protocols.Fleet`` that ``EngineDriver`` drives.
 from __future__ import annotations
 
 import functools
-import time
+import threading
 from typing import Callable, Iterable, Sequence
 
 from rollpacker.rollout.engine import RolloutEngine
@@ -24,6 +24,10 @@ from rollpacker.scheduler.protocols import EventSource, RewardSink
 
 News = list[tuple[int, RaceNews]]
 
+# with no engine generating, only a score (which wakes the fleet) brings news; the bound keeps a
+# reward sink that never calls back from hanging the round silently
+_SCORE_WAIT_S = 1.0
+
 
 class StalledError(RuntimeError):
     """Groups are open but nothing can make progress (virtual clock)."""
@@ -31,8 +35,8 @@ class StalledError(RuntimeError):
 
 class LocalFleet:
     """``engines`` raced in this process and scored by ``reward``; a wait blocks on one of them
-    for at most ``idle_poll_s``. ``wake`` is called (from the reward pool's thread) when a score
-    comes."""
+    for at most ``idle_poll_s``, or, when none generates, until a score comes. ``wake`` is also
+    called (from the reward pool's thread) when a score comes."""
 
     def __init__(self, engines: Sequence[RolloutEngine], clock: Clock, reward: RewardSink | None, *,
                  idle_poll_s: float = 0.005, wake: Callable[[], None] = lambda: None) -> None:
@@ -43,8 +47,9 @@ class LocalFleet:
         if self._virtual and (not_simulated := [e.engine_id for e in engines if not isinstance(e, EventSource)]):
             raise TypeError(f"engines {not_simulated} cannot tell their next event; a VirtualClock needs simulated "
                             "engines")
-        self.wake = wake
-        self.races = [GroupRace(e, reward, clock, wake=wake) for e in engines]
+        self._also_wake = wake
+        self._woken = threading.Event()  # a score came since the races were last stepped
+        self.races = [GroupRace(e, reward, clock, wake=self.wake) for e in engines]
         self._sources = [*engines, *([reward] if isinstance(reward, EventSource) else [])]
         self.retired: set[int] = set()  # engines handed to training: not stepped, their events not awaited
         self._next_blocking = 0
@@ -52,6 +57,10 @@ class LocalFleet:
     @property
     def size(self) -> int:
         return len(self.races)
+
+    def wake(self) -> None:
+        self._woken.set()
+        self._also_wake()
 
     def open_round(self, progress: bool) -> None:
         """In-process races tell every response generated anyway."""
@@ -71,12 +80,13 @@ class LocalFleet:
     def poll(self, wait: bool = False) -> News:
         if self._virtual:
             self._advance_virtual_clock()
+        self._woken.clear()  # a score from here on ends the wait below at once
         news = [(i, n) for i, race in enumerate(self.races) if i not in self.retired and (n := race.step(0.0))]
         if news or not wait:
             return news
         news = self.block_on_one(range(self.size))
         if news is None and not self._virtual:
-            time.sleep(self._idle_poll_s)
+            self._woken.wait(_SCORE_WAIT_S)
         return news or []
 
     def block_on_one(self, among: Iterable[int]) -> News | None:
@@ -94,7 +104,8 @@ class LocalFleet:
         if self._virtual:
             self._advance_virtual_clock()
         else:
-            time.sleep(self._idle_poll_s)
+            self._woken.wait(_SCORE_WAIT_S)
+            self._woken.clear()
 
     def _advance_virtual_clock(self) -> None:
         retired = {id(self.races[i].engine) for i in self.retired}

@@ -282,12 +282,12 @@ class EngineDriver:
         whole groups made long rounds 3-9% longer). ``limit``: no engine is given more than that
         many outstanding requests; placing stops at the first group that does not fit. Returns how
         many groups were placed."""
-        placed = 0
+        placed, heap = 0, self._by_load()
         for g in groups:
             if g.key in self._open:
                 raise ValueError(f"group {g.key} is already open")
             parts = self._parts(g)
-            if not self._place(parts, limit):
+            if not self._place(parts, limit, heap):
                 break
             self._open[g.key] = _Assembly(len(parts))
             for part in parts:
@@ -328,7 +328,7 @@ class EngineDriver:
                 self._tokens[i] -= self._part_tokens.pop(part.key)
             self._load[i] = 0
             handed += states
-        self._place(handed, None)
+        self._place(handed, None, self._by_load())
         self._send()
         moved = [part.migrated() for part in handed]
         return sum(r for r, _ in moved), sum(t for _, t in moved)
@@ -375,12 +375,18 @@ class EngineDriver:
             raise ValueError(f"group {g.key} arrives with responses done: only a retire carries those over")
         return [part()] if g.r0 < g.n else [part(responses=(r,), r0=1) for r in g.indices]
 
-    def _place(self, parts: list[GroupLaunch], limit: int | None) -> bool:
-        """Put each part on the least loaded engine that stays (all of them, or none where one would
-        go past ``limit``); their calls wait for ``_send``."""
+    def _by_load(self) -> list[tuple[int, int, int]]:
+        """The engines that stay as a heap of (outstanding requests, prompt tokens, index), for
+        ``_place``; one per launch, as building it costs as much as placing a group."""
         heap = [(load, toks, i) for i, (load, toks) in enumerate(zip(self._load, self._tokens))
                 if i not in self._retired]
         heapq.heapify(heap)
+        return heap
+
+    def _place(self, parts: list[GroupLaunch], limit: int | None, heap: list[tuple[int, int, int]]) -> bool:
+        """Put each part on the least loaded engine of ``heap`` (all of them, or none where one would
+        go past ``limit``: the caller stops placing then, and drops the heap); their calls wait for
+        ``_send``."""
         where = []
         for part in parts:
             load, toks, i = heap[0]

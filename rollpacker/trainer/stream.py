@@ -220,7 +220,6 @@ class StreamTrainer:
             groups_before_rollout_end=total["groups_before"], groups_total=total["groups"],
             tokens_before_rollout_end=total["tokens_before"], tokens_total=total["tokens"],
             compute_s_before_rollout_end=compute_before, compute_s_after_rollout_end=compute_after)
-        self.last_report = report
         metrics.update(
             grad_norm=result.grad_norm if result is not None else float("nan"),
             skipped=0 if applied else 1,

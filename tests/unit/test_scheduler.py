@@ -362,6 +362,26 @@ def test_dispatch_races_a_group_on_one_engine_and_spreads_one_that_does_not_race
     assert driver.launch(more, limit=5) == 3 and driver.outstanding == 12
 
 
+def test_a_real_clock_fleet_with_nothing_generating_sleeps_until_a_score_wakes_it(monkeypatch):
+    """Waiting for scores only (no engine generates), the fleet sleeps on its wake-up, not in naps:
+    with that sleep's bound and the engines' poll interval set to an hour, only the score's ``wake``
+    can end the waits."""
+    import threading
+
+    from rollpacker.scheduler import fleet as fleet_module
+    from rollpacker.scheduler.clock import RealClock
+
+    monkeypatch.setattr(fleet_module, "_SCORE_WAIT_S", 3600.0)
+    fleet = LocalFleet([], RealClock(), None, idle_poll_s=3600.0)
+    waits = threading.Thread(target=lambda: (fleet.poll(wait=True), fleet.wait_for_time()), daemon=True)
+    waits.start()
+    for _ in range(2):  # one wake per wait; a wake before a wait begins is not lost
+        fleet.wake()
+        waits.join(timeout=0.5)
+    waits.join(timeout=60)
+    assert not waits.is_alive(), "a wake did not end the fleet's wait"
+
+
 def test_two_phase_api_guards():
     h = Harness(p0=4, r0=2, engines=2)
     plan = h.scheduler.plan_round()
