@@ -21,17 +21,34 @@ class ConfigError(ValueError):
     """A configuration that cannot run. The message names key, source and fix."""
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def load_yaml(path: str | Path, _within: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's sections; a top-level ``base: other.yaml`` (beside it) is read first and this
+    file's keys replace its keys, section by section (a list is replaced whole)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist"
+                          + (f" (the base of {_within[-1]})" if _within else ""))
+    if path.resolve() in _within:
+        raise ConfigError(f"{path}: its base chain comes back to it: {' -> '.join(map(str, _within))} -> {path}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    return data
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be a file name (relative to {path.parent}), got {base!r}")
+    return _merged(load_yaml(path.parent / base, (*_within, path.resolve())), data)
+
+
+def _merged(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], source: str = "command line") -> dict[str, Any]:

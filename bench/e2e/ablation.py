@@ -1,6 +1,6 @@
 """End-to-end ablation of RollPacker on the built-in example, with paired accuracy parity and the TRL peer.
 
-    python -m bench.e2e.ablation [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
+    python -m bench.e2e.ablation [--config configs/tiny-cpu.yaml] [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
                         [--results bench/results/e2e.json]
 
 Runs the real program (``torchrun --nproc_per_node 2 -m rollpacker.train --config
@@ -47,6 +47,8 @@ CYCLE_STEPS = 5  # eta 1.25 in tiny-cpu.yaml: 4 short + 1 long round per cycle
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.e2e.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=CONFIG,
+                   help="the program's config (configs/tiny-cpu-recheck.yaml: the task's reasoning-shaped variant)")
     p.add_argument("--steps", type=int, default=10, help="steps per run; whole cycles of 5 (default 2 cycles)")
     p.add_argument("--seeds", default="0,1,2,3,4,5",
                    help="comma-separated; baseline runs every seed, the ablation the first")
@@ -61,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-timeout", type=float, default=3600.0, help="seconds per torchrun chunk")
     p.add_argument("--eval-n", type=int, default=4,
                    help="held-out responses per eval prompt for the final policies' pass@1 (0: skip)")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts scored per final policy (default: all)")
     p.add_argument("--plot", default="docs/e2e_reward.png")
     args = p.parse_args(argv)
     args.seed_list = [int(s) for s in args.seeds.split(",")]
@@ -86,7 +89,7 @@ def program_args(args: argparse.Namespace, name: str, mode: rep.Mode, seed: int,
     common = [f"run.name={name}", f"run.output_dir={Path(args.out).resolve()}", f"run.steps={steps}",
               "run.save_every=0", "run.wandb=disabled", f"scheduler.p0={args.p0}", f"scheduler.r0={args.r0}",
               "run.eval.every=0", "run.eval.before_train=false"]  # the training's time alone
-    return ["-m", "rollpacker.train", "--config", CONFIG, *common, *mode.args(), *rep.seed_overrides(seed)]
+    return ["-m", "rollpacker.train", "--config", args.config, *common, *mode.args(), *rep.seed_overrides(seed)]
 
 
 def run_chunk(args: argparse.Namespace, name: str, mode: rep.Mode, seed: int, steps: int) -> float:
@@ -142,7 +145,7 @@ def trl_command(args: argparse.Namespace, out_json: Path) -> list[str]:
     """The TRL peer on our settings: same policy, prompts (data order seed), P0, R0, lr, length, cores."""
     from rollpacker.config import load_config
 
-    cfg = load_config(REPO / CONFIG)
+    cfg = load_config(REPO / args.config)
     script = REPO / "bench" / "e2e" / "trl_grpo.py"
     cmd = [args.trl_python, str(script), "--policy", cfg.model.path, "--data", cfg.data.train_files[0],
            "--steps", str(args.steps), "--p0", str(args.p0), "--r0", str(args.r0),
@@ -177,7 +180,8 @@ def run_trl(args: argparse.Namespace, tag: str) -> str | None:
     return f"bench/e2e/trl_grpo.py exited {rc} (see {log})" if rc else None
 
 
-def held_out_runs(out: Path, names: list[str], eval_n: int) -> dict[str, dict[str, float]]:
+def held_out_runs(config: str, out: Path, names: list[str], eval_n: int,
+                  eval_prompts: int | None = None) -> dict[str, dict[str, float]]:
     """pass@1 and median response length on the held-out prompts of each run's final policy (its
     checkpoint's HF export; ``"start"``: the starting policy), cached in ``out/eval.json``. Unlike
     the training reward, it does not depend on which responses a round kept (short rounds keep the
@@ -187,22 +191,24 @@ def held_out_runs(out: Path, names: list[str], eval_n: int) -> dict[str, dict[st
 
     cache = out / "eval.json"
     done = json.loads(cache.read_text()) if cache.exists() else {}
-    cfg = load_config(REPO / CONFIG).resolve(REPO)
+    cfg = load_config(REPO / config).resolve(REPO)
+    tag = f":n{eval_n}" + (f":p{eval_prompts}" if eval_prompts else "")
     for name in names:
-        key = f"{name}:n{eval_n}"
+        key = name + tag
         if key not in done:
             policy = cfg.model.path if name == "start" else str(sorted(
                 (out / name / "checkpoints").glob("step_*"))[-1] / "hf")
             report, _ = evaluate_policy(policy, cfg.data.eval_files[0], n=eval_n, seed=0,
                                         threads=2 * cfg.run.threads_per_rank,
                                         max_new_tokens=cfg.rollout.max_response_length,
-                                        max_prompt_length=cfg.data.max_prompt_length)
+                                        max_prompt_length=cfg.data.max_prompt_length, max_prompts=eval_prompts)
             done[key] = {"pass_at_1": report.pass_at_1, "median_length": report.median_length}
             cache.write_text(json.dumps(done, indent=1))
-    return {name: done[f"{name}:n{eval_n}"] for name in names}
+    return {name: done[name + tag] for name in names}
 
 
-def plot(runs: dict[str, dict[str, Any]], trl: dict[str, Any] | None, cycle_prompts: int, path: Path) -> None:
+def plot(runs: dict[str, dict[str, Any]], trl: dict[str, Any] | None, cycle_prompts: int, path: Path,
+         config: str) -> None:
     """Reward and accuracy, each a mean over the trailing cycle of trained prompts (per-step values
     swing with the round kind: short rounds train the easy prompts, long rounds the hard ones)."""
     import matplotlib
@@ -238,7 +244,7 @@ def plot(runs: dict[str, dict[str, Any]], trl: dict[str, Any] | None, cycle_prom
         ax.grid(alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle("Built-in example on 2 CPU ranks: GRPO reward vs trained prompts")
+    fig.suptitle(f"Built-in example ({Path(config).name}) on 2 CPU ranks: GRPO reward vs trained prompts")
     fig.tight_layout(rect=(0, 0.16, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = planned_runs(args)
     from rollpacker.config import load_config
     for _, mode, seed in runs:  # an unknown key fails here, not an hour into the runs
-        load_config(REPO / CONFIG, program_args(args, "check", mode, seed, args.steps)[4:])
+        load_config(REPO / args.config, program_args(args, "check", mode, seed, args.steps)[4:])
     skip = trl_skip(args)
     if args.report_only:
         manifest = json.loads((out / "manifest.json").read_text())
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "time/rollout_s", "time/train_s", "time/sync_s",
                                                        "time/checkpoint_s")} for r in recs]}
     # Held-out pass@1 of every run's final policy (cached in OUT/eval.json).
-    evals = held_out_runs(Path(args.out), ["start", *data], args.eval_n) if args.eval_n else {}
+    evals = held_out_runs(args.config, Path(args.out), ["start", *data], args.eval_n, args.eval_prompts) if args.eval_n else {}
     held_out = {name: e["pass_at_1"] for name, e in evals.items()}
     s0 = args.seed_list[0]
     base = data[f"{rep.BASELINE}-s{s0}"]
@@ -311,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     window = (base["prompts"][-1] - cycle_prompts, base["prompts"][-1])
     mine = data[f"{rep.ROLLPACKER}-s{s0}"]
-    plot(data, trl_runs[0] if trl_runs else None, cycle_prompts, REPO / args.plot)
+    plot(data, trl_runs[0] if trl_runs else None, cycle_prompts, REPO / args.plot, args.config)
     result = {"settings": {k: v for k, v in vars(args).items()}, "seed": s0,
               "trained_per_run": sorted({d["summary"]["prompts_trained"] for d in data.values()}),
               "ablation": rows, "per_seed_speedup": per_seed,

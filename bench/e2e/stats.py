@@ -238,7 +238,8 @@ def readme_markdown(r: dict[str, Any]) -> str:
     out += ["Accuracy parity: " + paired_text(r["reward_parity"], "RollPacker's mean reward over the last cycle of "
                                               "trained prompts") + ".", ""]
     if r["held_out_parity"]:
-        out += [f"Held-out pass@1 of the final policies ({s['eval_n']} samples per eval prompt; starting policy "
+        out += [f"Held-out pass@1 of the final policies ({s['eval_n']} samples per eval prompt"
+                f"{f' on the first {n}' if (n := s.get('eval_prompts')) else ''}; starting policy "
                 f"{r['held_out_pass']['start']:.3f}): " + paired_text(r["held_out_parity"], "RollPacker's") + ".", ""]
     trl = r["trl"]
     how = (f" (seed {r['seed']}; TRL s/step: mean over {trl['runs']} run(s), one before and one after ours, first "

@@ -425,15 +425,23 @@ def race_bias(r: dict[str, Any]) -> str:
 GPU_RUN = "docs/gpu/2026-11-23-h100-b/run3-acceptance.json"
 
 
+def _speedup_and_parity(r: dict[str, Any]) -> str:
+    """bench.e2e.ablation's every-component speedup over its seeds, and its reward parity."""
+    speedups, parity = list(r["per_seed_speedup"].values()), r["reward_parity"]
+    geo = math.exp(statistics.fmean(map(math.log, speedups)))
+    return (f"{geo:.2f}× s/step over the synchronous baseline (per seed {min(speedups):.2f}–{max(speedups):.2f}×); "
+            f"reward difference {parity['mean']:+.3f} [{parity['low']:+.3f}, {parity['high']:+.3f}] (95% paired "
+            f"interval): {parity['verdict'].split(' (')[0]}")
+
+
 def headline() -> str:
     """README's front-page table: one line per kind of evidence, each linking to its full block and
     saying whether its figure is the rollout alone or the whole step."""
-    e2e_r, sim_r, step_r, control_r, decode_r = (json.loads((RESULTS / f"{n}.json").read_text())
-                                                  for n in ("e2e", "sim", "sim_step", "control", "cpu_decode_bound"))
+    e2e_r, recheck_r, shape, sim_r, step_r, control_r, decode_r = (
+        json.loads((RESULTS / f"{n}.json").read_text())
+        for n in ("e2e", "e2e_recheck", "policy_recheck", "sim", "sim_step", "control", "cpu_decode_bound"))
     decode = cpu_decode_bound_figures(decode_r)
     gpu = json.loads((REPO / GPU_RUN).read_text())
-    speedups = list(e2e_r["per_seed_speedup"].values())
-    parity = e2e_r["reward_parity"]
     checks = gpu["checks"]
     passed = sum(c["ok"] for c in checks.values())
     program = checks["program/baseline_vs_tail_batching"]
@@ -442,18 +450,20 @@ def headline() -> str:
                      f"({m['mean']['planner']['speedup']:.2f}× with the planner)" for m in sim_r["models"])
     steps = ", ".join(f"{m['model'].upper()} {m['summary'][ROLLPACKER_ROW]['speedup']:.2f}× (published "
                       f"{m['published'][ROLLPACKER_ROW]:.2f}×)" for m in step_r["models"])
-    geo = math.exp(statistics.fmean(map(math.log, speedups)))
     return "\n".join([
         "| evidence | figure | where |", "|---|---|---|",
-        f"| CPU, end to end (the real program, 2 ranks, {len(speedups)} seeds) | {geo:.2f}× s/step over the "
-        f"synchronous baseline (per seed {min(speedups):.2f}–{max(speedups):.2f}×); reward difference "
-        f"{parity['mean']:+.3f} [{parity['low']:+.3f}, {parity['high']:+.3f}] (95% paired interval): "
-        f"{parity['verdict'].split(' (')[0]}. From decode time alone (this engine's fitted cost, the example's "
+        f"| CPU, end to end (the real program, 2 ranks, {len(e2e_r['per_seed_speedup'])} seeds) | "
+        f"{_speedup_and_parity(e2e_r)}. From decode time alone (this engine's fitted cost, the example's "
         f"lengths) tail batching gains {decode['model_rollout_x']:.2f}× rollout, {decode['model_e2e_x']:.2f}× end "
         f"to end (measured: {decode['rollout_x']:.2f}× and {decode['e2e_x']:.2f}×) "
         f"| [results: end to end](docs/results.md#end-to-end), `{e2e_r['command']}` at {e2e_r['commit']}; "
         f"[decode-cost model](docs/results.md#what-decode-time-allows-on-this-cpu), `{decode_r['command']}` at "
         f"{decode_r['commit']} |",
+        f"| CPU, end to end on reasoning-shaped lengths (the task's recheck variant: longest/median "
+        f"{shape['step_max_over_median']:.0f}× per 16 prompts, σ of log length within a prompt "
+        f"{shape['within_prompt_log_sd']:.2f}) | {_speedup_and_parity(recheck_r)} "
+        f"| [results: reasoning-shaped lengths](docs/results.md#on-reasoning-shaped-lengths), "
+        f"`{recheck_r['command']}` at {recheck_r['commit']}; lengths: `{shape['command']}` |",
         f"| GPU acceptance ({gpu['env']['device']}, {gpu['env']['date'][:10]}), end to end | {passed} of "
         f"{len(checks)} checks passed; the program "
         f"{program['speedup_tail_batching_over_baseline']:.2f}× s/step with tail batching "
@@ -533,7 +543,7 @@ def _messages(counts: dict[str, int], rounds: int) -> str:
                      for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "rollout": rollout, "rollout_replay": rollout, "race_bias": race_bias,
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "e2e_recheck": e2e, "rollout": rollout, "rollout_replay": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
     "sim": sim, "sim_step": sim_step, "cpu_decode_bound": cpu_decode_bound, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
     "engine": engine, "reward": reward, "control": control}

@@ -1,6 +1,6 @@
 """Make the shipped starting policy and data of the built-in example.
 
-    python -m rollpacker.examples.make_policy [--out assets/policy] [--data-out assets/data] [--seed 0]
+    python -m rollpacker.examples.make_policy [--recipe shipped|recheck|single] [--out DIR] [--data-out DIR]
 
 Writes the tokenizer, a small Qwen2ForCausalLM after a supervised warm-up on
 stepchain derivations, and the train/eval prompt files.  The demonstrations
@@ -12,8 +12,11 @@ mistakes, and over half the samples end in the wrong answer format.
 By default (``--recipe shipped``) it makes the shipped ``assets/policy``: five
 warm-up stages, each continuing the last (``SHIPPED_STAGES``; about 25 min of
 one-thread CPU time in all; the last stage's ``warmup.json`` records its
-settings). ``--recipe single`` runs one stage with the flags given, e.g.
-``--init DIR`` to continue a warm-up.
+settings). ``--recipe recheck`` continues ``assets/policy`` for one stage on
+demonstrations that re-derive the problem before answering (``task.RECHECKS``)
+and writes ``assets/policy-recheck`` and ``assets/data-recheck``: the task's
+reasoning-shaped variant (about 6 min). ``--recipe single`` runs one stage with
+the flags given, e.g. ``--init DIR`` to continue a warm-up.
 
 Deterministic: every random draw comes from ``--seed`` (Python ``Random`` for
 data, ``torch.manual_seed`` for weights), and torch runs with
@@ -59,6 +62,9 @@ class WarmupConfig:
     # Share of demonstrations whose last line is an answer the strict checker rejects
     # (REJECTED_ANSWER_LINES): the format lesson GRPO has to learn from the reward alone.
     rejected_format_rate: float = 0.0
+    # Shares of demonstrations that derive the problem again before answering (task.Rechecks).
+    recheck_first: float = 0.0
+    recheck_again: float = 0.0
     threads: int = 1
     init: str | None = None  # continue from this checkpoint instead of random weights
 
@@ -75,7 +81,8 @@ REJECTED_ANSWER_LINES = ("Result: {}", "So the value is {}", "= {}")
 
 
 def _response(problem: task.Problem, rng: random.Random, cfg: WarmupConfig) -> str:
-    text = task.derivation(problem, rng=rng, error_rate=cfg.step_error_rate)
+    text = task.derivation(problem, rng=rng, error_rate=cfg.step_error_rate,
+                           rechecks=task.Rechecks(cfg.recheck_first, cfg.recheck_again))
     if cfg.rejected_format_rate > 0 and rng.random() < cfg.rejected_format_rate:
         body, _, answer = text.rpartition("\nAnswer: ")
         text = f"{body}\n{rng.choice(REJECTED_ANSWER_LINES).format(answer)}"
@@ -193,33 +200,46 @@ SHIPPED_STAGES = (
 )
 
 
+# The recheck variant's policy: the shipped one (--init) taught to re-derive before answering at
+# task.RECHECKS' rates, on the same clean, format-lesson demonstrations as its last stage.
+RECHECK_STAGES = (
+    {"seed": 5, "steps": 500, "lr": 1e-3, "warmup_steps": 10, "step_error_rate": 0.02, "rejected_format_rate": 0.55,
+     "recheck_first": task.RECHECKS.first, "recheck_again": task.RECHECKS.again},
+)
+RECIPES = {"shipped": (SHIPPED_STAGES, "assets/policy", "assets/data", task.MEDIAN_STEPS),
+           "recheck": (RECHECK_STAGES, "assets/policy-recheck", "assets/data-recheck", task.RECHECK_MEDIAN_STEPS)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="assets/policy")
-    parser.add_argument("--data-out", default="assets/data")
+    parser.add_argument("--recipe", choices=(*RECIPES, "single"), default="shipped",
+                        help="shipped: the five stages that made assets/policy; recheck: the one stage that "
+                             "makes assets/policy-recheck from --init (default assets/policy); single: one "
+                             "stage from the flags")
+    parser.add_argument("--out", help="policy directory (default: the recipe's; single: assets/policy)")
+    parser.add_argument("--data-out", help="train/eval prompts directory (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=WarmupConfig.steps)
     parser.add_argument("--threads", type=int, default=WarmupConfig.threads)
     parser.add_argument("--lr", type=float, default=WarmupConfig.lr)
     parser.add_argument("--warmup-steps", type=int, default=WarmupConfig.warmup_steps)
     parser.add_argument("--init", default=None, help="continue the warm-up from this policy directory")
-    parser.add_argument("--recipe", choices=("shipped", "single"), default="shipped",
-                        help="shipped: the three stages that made assets/policy; single: one stage from the flags")
     parser.add_argument("--train-prompts", type=int, default=2048)
     parser.add_argument("--eval-prompts", type=int, default=256)
     args = parser.parse_args(argv)
-    data_out = Path(args.data_out)
-    write_jsonl(data_out / "train.jsonl", task.generate_rows(args.train_prompts, TRAIN_PROMPTS_SEED))
-    write_jsonl(data_out / "eval.jsonl", task.generate_rows(args.eval_prompts, EVAL_PROMPTS_SEED))
-    single = {"seed": args.seed, "steps": args.steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
-    stages = SHIPPED_STAGES if args.recipe == "shipped" else (single,)
-    seconds, init = 0.0, args.init
+    single = ({"seed": args.seed, "steps": args.steps, "lr": args.lr, "warmup_steps": args.warmup_steps},)
+    stages, policy_out, data_out, median = RECIPES.get(args.recipe, (single, *RECIPES["shipped"][1:]))
+    policy_out, data_out = Path(args.out or policy_out), Path(args.data_out or data_out)
+    init = args.init or ("assets/policy" if args.recipe == "recheck" else None)
+    write_jsonl(data_out / "train.jsonl", task.generate_rows(args.train_prompts, TRAIN_PROMPTS_SEED, median))
+    write_jsonl(data_out / "eval.jsonl", task.generate_rows(args.eval_prompts, EVAL_PROMPTS_SEED, median))
+    seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i, stage in enumerate(stages):
-            out = Path(args.out) if i == len(stages) - 1 else Path(tmp) / f"stage{i}"
+            out = policy_out if i == len(stages) - 1 else Path(tmp) / f"stage{i}"
             seconds += train(WarmupConfig(threads=args.threads, init=init, **stage), out)
             init = str(out)
-    print(f"policy written to {args.out} after {seconds / 60:.1f} min of warm-up")
+    print(f"policy written to {policy_out} after {seconds / 60:.1f} min of warm-up")
 
 
 if __name__ == "__main__":

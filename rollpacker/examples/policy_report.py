@@ -7,9 +7,12 @@ what tail batching and GRPO need from a starting policy:
 
 - pass@1 (mean correctness over all responses) -- GRPO needs groups that are
   neither all right nor all wrong;
-- max / median response length over the whole batch -- the long tail;
+- max / median response length over the whole batch, and over each training
+  step's worth of prompts -- the long tail;
 - Spearman correlation, over prompts, of the mean response length in two
-  independent halves of the samples -- length is a property of the prompt.
+  independent halves of the samples -- length is a property of the prompt;
+- the standard deviation of log length within a prompt -- how much responses
+  to one prompt differ (published reasoning traces: ~0.65).
 
 ``report_from_lengths`` takes plain per-prompt lists, so a rollout engine's
 samples are scored the same way as the transformers sampler used here.
@@ -17,8 +20,13 @@ samples are scored the same way as the transformers sampler used here.
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import shlex
 import statistics
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,12 +45,19 @@ class PolicyReport:
     max_length: int
     max_over_median: float
     length_spearman: float  # per-prompt mean length, first half of samples vs second half
+    step_max_over_median: float  # mean over runs of STEP_PROMPTS prompts (in file order)
+    within_prompt_log_sd: float  # mean over prompts of the std of log(length) among its responses
 
     def summary(self) -> str:
         return (f"{self.num_prompts} prompts x {self.responses_per_prompt} responses: "
                 f"pass@1 {self.pass_at_1:.3f}, median length {self.median_length:.0f}, "
-                f"max length {self.max_length}, max/median {self.max_over_median:.1f}, "
-                f"length Spearman (halves) {self.length_spearman:.3f}")
+                f"max length {self.max_length}, max/median {self.max_over_median:.1f} "
+                f"({self.step_max_over_median:.1f} per {STEP_PROMPTS} prompts), "
+                f"length Spearman (halves) {self.length_spearman:.3f}, "
+                f"sigma of log length within a prompt {self.within_prompt_log_sd:.2f}")
+
+
+STEP_PROMPTS = 16  # the example's prompts per step (scheduler.p0)
 
 
 def report_from_lengths(lengths: list[list[int]], correct: list[list[bool]]) -> PolicyReport:
@@ -53,12 +68,15 @@ def report_from_lengths(lengths: list[list[int]], correct: list[list[bool]]) -> 
     flat = [length for row in lengths for length in row]
     median = statistics.median(flat)
     half = n // 2
+    steps = [[x for row in lengths[i:i + STEP_PROMPTS] for x in row] for i in range(0, len(lengths), STEP_PROMPTS)]
     return PolicyReport(
         num_prompts=len(lengths), responses_per_prompt=n,
         pass_at_1=statistics.fmean(float(c) for row in correct for c in row),
         median_length=median, max_length=max(flat), max_over_median=max(flat) / median,
         length_spearman=spearman([statistics.fmean(row[:half]) for row in lengths],
                                  [statistics.fmean(row[half:]) for row in lengths]),
+        step_max_over_median=statistics.fmean(max(step) / statistics.median(step) for step in steps),
+        within_prompt_log_sd=statistics.fmean(statistics.pstdev([math.log(x) for x in row]) for row in lengths),
     )
 
 
@@ -126,16 +144,17 @@ def sample_responses(model, prompts: list[Prompt], *, n: int, eos_token_id: int,
 
 
 def evaluate_policy(policy_dir: str, data_file: str, *, n: int = 8, seed: int = 0, threads: int = 2,
-                    max_new_tokens: int = 512, max_prompt_length: int = 128
+                    max_new_tokens: int = 512, max_prompt_length: int = 128, max_prompts: int | None = None
                     ) -> tuple[PolicyReport, list[list[int]]]:
-    """Sample the policy on ``data_file`` and score it; also returns the per-prompt lengths."""
+    """Sample the policy on ``data_file`` (its first ``max_prompts`` prompts) and score it; also
+    returns the per-prompt lengths."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
     dataset = PromptDataset([data_file], tokenizer, max_prompt_length=max_prompt_length, shuffle=False)
-    prompts = dataset.take(len(dataset))
+    prompts = dataset.take(min(len(dataset), max_prompts or len(dataset)))
     responses = sample_responses(model, prompts, n=n, eos_token_id=tokenizer.eos_token_id,
                                  max_new_tokens=max_new_tokens, seed=seed)
     lengths = [[len(r) for r in rs] for rs in responses]
@@ -151,10 +170,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="the run's rollout.max_response_length")
+    parser.add_argument("--json", help="also write the figures and the settings here")
     args = parser.parse_args(argv)
-    report, _ = evaluate_policy(args.policy, args.data, n=args.n, seed=args.seed, threads=args.threads)
+    report, _ = evaluate_policy(args.policy, args.data, n=args.n, seed=args.seed, threads=args.threads,
+                                max_new_tokens=args.max_new_tokens)
     print(report.summary())
     print(asdict(report))
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        command = shlex.join(["python", "-m", "rollpacker.examples.policy_report", *(argv or sys.argv[1:])])
+        Path(args.json).write_text(json.dumps({"command": command, "settings": settings, "torch": torch.__version__,
+                                               **asdict(report)}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

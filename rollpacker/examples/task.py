@@ -70,31 +70,66 @@ def apply_operation(value: int, op: str) -> int:
     return (value * operand) % MODULUS
 
 
-def derivation(problem: Problem, *, rng: random.Random | None = None, error_rate: float = 0.0) -> str:
+@dataclass(frozen=True)
+class Rechecks:
+    """How often a response re-reads the problem (restates the prompt's line) and derives it again
+    before it answers: with probability ``first`` after its first derivation, then with
+    ``again`` after each re-derivation. The number of derivations is 1 with probability
+    1 - ``first`` and geometric beyond, so most responses to a prompt are short and a few are
+    many times longer: the within-prompt spread of reasoning traces."""
+
+    first: float = 0.0
+    again: float = 0.0
+
+    def draw(self, rng: random.Random) -> int:
+        """How many derivations a response makes."""
+        if self.first <= 0 or rng.random() >= self.first:  # no draw: the shipped recipe's stream stays
+            return 1
+        count = 2
+        while rng.random() < self.again:
+            count += 1
+        return count
+
+
+# The "recheck" variant of the task (configs/tiny-cpu-recheck.yaml): prompts of median 2 steps and
+# a policy warmed up on these rechecks. Drawn from this model (8.5 tokens a step, 896-token limit),
+# a batch of 16 prompts x 8 responses has its longest response ~27x its median and a within-prompt
+# sigma of log length of ~0.64, the shape of published reasoning traces; docs/example.md has what
+# the warmed-up policy itself samples.
+RECHECKS = Rechecks(first=0.25, again=0.85)
+RECHECK_MEDIAN_STEPS = 2.0
+
+
+def derivation(problem: Problem, *, rng: random.Random | None = None, error_rate: float = 0.0,
+               rechecks: Rechecks = Rechecks()) -> str:
     """The step-by-step response for ``problem``.
 
     With ``error_rate`` > 0 each step's result is replaced, with that
     probability, by a wrong value, and the chain carries on from it: the
-    imperfect demonstrations the warm-up policy learns from.
+    imperfect demonstrations the warm-up policy learns from. ``rechecks``
+    (needs ``rng``) repeats the derivation, each time after the prompt's line;
+    the answer is the last derivation's.
     """
-    lines, value = [], problem.start
-    for remaining in range(problem.num_steps, 0, -1):
-        result = apply_operation(value, problem.operation)
-        if rng is not None and error_rate > 0 and rng.random() < error_rate:
-            result = (result + rng.randrange(1, MODULUS)) % MODULUS
-        lines.append(f"{remaining}:{value}{problem.operation}={result}")
-        value = result
-    lines.append(f"Answer: {value}")
-    return "\n".join(lines)
+    blocks = []
+    for _ in range(rechecks.draw(rng) if rng is not None else 1):
+        lines, value = [], problem.start
+        for remaining in range(problem.num_steps, 0, -1):
+            result = apply_operation(value, problem.operation)
+            if rng is not None and error_rate > 0 and rng.random() < error_rate:
+                result = (result + rng.randrange(1, MODULUS)) % MODULUS
+            lines.append(f"{remaining}:{value}{problem.operation}={result}")
+            value = result
+        blocks.append("\n".join(lines))
+    return f"\n{problem.prompt_text()}\n".join(blocks) + f"\nAnswer: {value}"
 
 
-def sample_num_steps(rng: random.Random) -> int:
-    steps = round(math.exp(rng.gauss(math.log(MEDIAN_STEPS), SIGMA_STEPS)))
+def sample_num_steps(rng: random.Random, median: float = MEDIAN_STEPS) -> int:
+    steps = round(math.exp(rng.gauss(math.log(median), SIGMA_STEPS)))
     return min(max(steps, 1), MAX_STEPS)
 
 
-def sample_problem(rng: random.Random, num_steps: int | None = None) -> Problem:
-    n = sample_num_steps(rng) if num_steps is None else num_steps
+def sample_problem(rng: random.Random, num_steps: int | None = None, median_steps: float = MEDIAN_STEPS) -> Problem:
+    n = sample_num_steps(rng, median_steps) if num_steps is None else num_steps
     if not 1 <= n <= MAX_STEPS:
         raise ValueError(f"num_steps must be in 1..{MAX_STEPS}, got {n}")
     return Problem(start=rng.randrange(MODULUS), operation=rng.choice(OPERATIONS), num_steps=n)
@@ -110,10 +145,10 @@ def to_row(problem: Problem, index: int) -> dict:
     }
 
 
-def generate_rows(n: int, seed: int) -> list[dict]:
+def generate_rows(n: int, seed: int, median_steps: float = MEDIAN_STEPS) -> list[dict]:
     """``n`` rows of the task, reproducible from ``seed``."""
     rng = random.Random(seed)
-    return [to_row(sample_problem(rng), i) for i in range(n)]
+    return [to_row(sample_problem(rng, median_steps=median_steps), i) for i in range(n)]
 
 
 def extract_answer(response: str) -> str | None:

@@ -99,3 +99,20 @@ def test_missing_model_dir(tmp_path):
 
 def test_valid_tiny_layout(model_dir):
     check_layout(_cfg(model_dir), 2, require_files=False)
+
+
+def test_base_file_is_read_first_and_overridden_section_by_section(tmp_path):
+    recheck = load_config(CONFIGS / "tiny-cpu-recheck.yaml")
+    tiny = load_config(CONFIGS / "tiny-cpu.yaml")
+    assert (recheck.model.path, recheck.rollout.max_response_length) == ("assets/policy-recheck", 896)
+    assert recheck.data.train_files == ["assets/data-recheck/train.jsonl"]
+    # every key the variant does not set is tiny-cpu.yaml's, nested sections included
+    assert recheck.scheduler == tiny.scheduler and recheck.trainer == tiny.trainer
+    assert (recheck.rollout.temperature, recheck.run.eval) == (tiny.rollout.temperature, tiny.run.eval)
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"a.yaml: its base chain comes back to it: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing.yaml does not exist \(the base of .*c.yaml\)"):
+        load_config(tmp_path / "c.yaml")

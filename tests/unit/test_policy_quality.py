@@ -10,12 +10,14 @@ arithmetic, the warm-up's determinism and its rejected answer lines.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 
 from rollpacker.examples.policy_report import report_from_lengths
 from rollpacker.stats import spearman
-from rollpacker.examples.task import MAX_STEPS, TASK_NAME
+from rollpacker.examples.task import MAX_STEPS, MEDIAN_STEPS, RECHECK_MEDIAN_STEPS, TASK_NAME
 from testkit import REPO_ROOT
 
 POLICY = REPO_ROOT / "assets" / "policy"
@@ -35,20 +37,28 @@ def test_report_from_lengths():
     assert report.pass_at_1 == 0.25
     assert report.median_length == 56 and report.max_length == 300
     assert report.length_spearman == pytest.approx(1.0)
+    assert report.step_max_over_median == pytest.approx(300 / 56)  # both prompts in one step of 16
+    log_sd = [0.5 * math.log(1.2), statistics.pstdev([math.log(x) for x in (100, 300, 200, 200)])]
+    assert report.within_prompt_log_sd == pytest.approx(statistics.fmean(log_sd))
 
 
-def test_shipped_files_are_complete_and_small():
-    names = {p.name for p in POLICY.iterdir()}
+@pytest.mark.parametrize("policy,data,median_steps", [
+    (POLICY, TRAIN.parent, MEDIAN_STEPS),
+    (REPO_ROOT / "assets" / "policy-recheck", REPO_ROOT / "assets" / "data-recheck", RECHECK_MEDIAN_STEPS),
+])
+def test_shipped_files_are_complete_and_small(policy, data, median_steps):
+    names = {p.name for p in policy.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
-    assert sum(p.stat().st_size for p in POLICY.iterdir()) < 20 * 2**20
-    config = json.loads((POLICY / "config.json").read_text())
+    assert sum(p.stat().st_size for p in policy.iterdir()) < 20 * 2**20
+    config = json.loads((policy / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert config["num_attention_heads"] % 2 == 0 and config["num_key_value_heads"] % 2 == 0  # TP=2
-    train = [json.loads(line) for line in TRAIN.read_text().splitlines()]
-    evaluation = [json.loads(line) for line in EVAL.read_text().splitlines()]
+    train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    evaluation = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
     assert (len(train), len(evaluation)) == (2048, 256)
     assert {row["data_source"] for row in train + evaluation} == {TASK_NAME}
     assert max(row["extra_info"]["num_steps"] for row in evaluation) <= MAX_STEPS
+    assert statistics.median(row["extra_info"]["num_steps"] for row in train) == median_steps
 
 
 def test_warmup_is_deterministic_from_its_seed(tmp_path):

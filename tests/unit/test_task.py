@@ -40,6 +40,37 @@ def test_derivation_of_a_known_chain():
     assert task.apply_operation(3, "-5") == 8 and task.apply_operation(7, "*6") == 2
 
 
+def test_rechecks_derive_again_after_the_prompt_line_and_answer_from_the_last_derivation():
+    problem = task.Problem(start=7, operation="+3", num_steps=2)
+    chain = "2:7+3=0\n1:0+3=3"
+
+    class Draws(random.Random):  # recheck after the first and the second derivation, then answer
+        def __init__(self):
+            super().__init__(0)
+            self.values = iter([0.1, 0.5, 0.99])
+
+        def random(self):
+            return next(self.values)
+
+    text = task.derivation(problem, rng=Draws(), rechecks=task.Rechecks(first=0.2, again=0.6))
+    assert text == f"{chain}\n{problem.prompt_text()}\n{chain}\n{problem.prompt_text()}\n{chain}\nAnswer: 3"
+    assert task.score_response(text, "3") == (True, "ok")
+    # a wrong first derivation and a right recheck: the answer is the recheck's
+    wrong = text.replace("1:0+3=3\nStart", "1:0+3=4\nStart", 1)
+    assert task.score_response(wrong, "3") == (True, "ok")
+
+
+def test_recheck_counts_follow_their_rates_and_the_default_draws_nothing():
+    rng = random.Random(0)
+    counts = [task.RECHECKS.draw(rng) for _ in range(20000)]
+    first, again = task.RECHECKS.first, task.RECHECKS.again
+    print(f"derivations per response: 1 in {counts.count(1) / len(counts):.3f}, mean {statistics.fmean(counts):.2f}")
+    assert counts.count(1) / len(counts) == pytest.approx(1 - first, abs=0.01)
+    assert statistics.fmean(counts) == pytest.approx(1 + first / (1 - again), rel=0.05)
+    rng, untouched = random.Random(1), random.Random(1)
+    assert task.Rechecks().draw(rng) == 1 and rng.random() == untouched.random()  # the shipped recipe's stream
+
+
 def test_step_counts_are_heavy_tailed():
     steps = [row["extra_info"]["num_steps"] for row in task.generate_rows(4000, seed=0)]
     median = statistics.median(steps)
