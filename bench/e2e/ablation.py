@@ -1,7 +1,7 @@
 """End-to-end ablation of RollPacker on the built-in example, with paired accuracy parity and the TRL peer.
 
-    python -m bench.e2e.ablation [--config configs/tiny-cpu.yaml] [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16] [--r0 4] [--out runs/e2e] [--no-trl]
-                        [--results bench/results/e2e.json]
+    python -m bench.e2e.ablation [--config configs/tiny-cpu.yaml] [--steps 10] [--seeds 0,1,2,3,4,5] [--p0 16]
+                        [--r0 4] [--out runs/e2e] [--no-trl] [--results bench/results/e2e.json] [--eval-prompts N]
 
 Runs the real program (``torchrun --nproc_per_node 2 -m rollpacker.train --config
 configs/tiny-cpu.yaml``) in five cumulative modes (baseline, tail batching,
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "time/rollout_s", "time/train_s", "time/sync_s",
                                                        "time/checkpoint_s")} for r in recs]}
     # Held-out pass@1 of every run's final policy (cached in OUT/eval.json).
-    evals = held_out_runs(args.config, Path(args.out), ["start", *data], args.eval_n, args.eval_prompts) if args.eval_n else {}
+    evals = (held_out_runs(args.config, Path(args.out), ["start", *data], args.eval_n, args.eval_prompts)
+             if args.eval_n else {})
     held_out = {name: e["pass_at_1"] for name, e in evals.items()}
     s0 = args.seed_list[0]
     base = data[f"{rep.BASELINE}-s{s0}"]

@@ -32,7 +32,7 @@ import math
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -206,8 +206,20 @@ RECHECK_STAGES = (
     {"seed": 5, "steps": 500, "lr": 1e-3, "warmup_steps": 10, "step_error_rate": 0.02, "rejected_format_rate": 0.55,
      "recheck_first": task.RECHECKS.first, "recheck_again": task.RECHECKS.again},
 )
-RECIPES = {"shipped": (SHIPPED_STAGES, "assets/policy", "assets/data", task.MEDIAN_STEPS),
-           "recheck": (RECHECK_STAGES, "assets/policy-recheck", "assets/data-recheck", task.RECHECK_MEDIAN_STEPS)}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    stages: tuple[dict, ...]
+    policy_out: str
+    data_out: str
+    median_steps: float  # of the prompts written beside the policy
+    init: str | None = None  # the policy the first stage continues (None: random weights)
+
+
+RECIPES = {"shipped": Recipe(SHIPPED_STAGES, "assets/policy", "assets/data", task.MEDIAN_STEPS),
+           "recheck": Recipe(RECHECK_STAGES, "assets/policy-recheck", "assets/data-recheck",
+                             task.RECHECK_MEDIAN_STEPS, init="assets/policy")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,16 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-prompts", type=int, default=2048)
     parser.add_argument("--eval-prompts", type=int, default=256)
     args = parser.parse_args(argv)
-    single = ({"seed": args.seed, "steps": args.steps, "lr": args.lr, "warmup_steps": args.warmup_steps},)
-    stages, policy_out, data_out, median = RECIPES.get(args.recipe, (single, *RECIPES["shipped"][1:]))
-    policy_out, data_out = Path(args.out or policy_out), Path(args.data_out or data_out)
-    init = args.init or ("assets/policy" if args.recipe == "recheck" else None)
-    write_jsonl(data_out / "train.jsonl", task.generate_rows(args.train_prompts, TRAIN_PROMPTS_SEED, median))
-    write_jsonl(data_out / "eval.jsonl", task.generate_rows(args.eval_prompts, EVAL_PROMPTS_SEED, median))
+    single = {"seed": args.seed, "steps": args.steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
+    recipe = RECIPES.get(args.recipe) or replace(RECIPES["shipped"], stages=(single,))
+    policy_out, data_out = Path(args.out or recipe.policy_out), Path(args.data_out or recipe.data_out)
+    init = args.init or recipe.init
+    for name, n, seed in (("train", args.train_prompts, TRAIN_PROMPTS_SEED),
+                          ("eval", args.eval_prompts, EVAL_PROMPTS_SEED)):
+        write_jsonl(data_out / f"{name}.jsonl", task.generate_rows(n, seed, recipe.median_steps))
     seconds = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for i, stage in enumerate(stages):
-            out = policy_out if i == len(stages) - 1 else Path(tmp) / f"stage{i}"
+        for i, stage in enumerate(recipe.stages):
+            out = policy_out if i == len(recipe.stages) - 1 else Path(tmp) / f"stage{i}"
             seconds += train(WarmupConfig(threads=args.threads, init=init, **stage), out)
             init = str(out)
     print(f"policy written to {policy_out} after {seconds / 60:.1f} min of warm-up")
