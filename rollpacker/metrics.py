@@ -31,7 +31,7 @@ PHASE_COLOURS = {
     "checkpoint": "#DA8BC3", "idle": "#DDDDDD", "regroup": "#CCB974", "eval": "#17BECF",
 }
 
-SECTIONS = ("rollout", "reward", "train", "perf", "eval")
+SECTIONS = ("rollout", "reward", "train", "mismatch", "perf", "eval")
 _RENAMED = {"reward_mean": "reward/mean", "accuracy": "reward/accuracy"}
 _PERF = {"rollout_s", "reward_s", "bubble_fraction"}
 

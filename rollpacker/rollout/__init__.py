@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 
+_SGLANG_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
+
+
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.ProcessGroup | None = None,
                 engine_id: int = 0, device: str = "cpu", sglang_host: Callable | None = None) -> RolloutEngine:
     """Build the engine ``cfg.backend`` names, on every rank of ``group`` (None: this rank alone).
@@ -20,11 +23,15 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.Proces
     """
     engine: RolloutEngine
     if cfg.backend == "reference":
+        import torch
+
         from rollpacker.rollout.reference import ReferenceEngine
-        engine = ReferenceEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device)
+        engine = ReferenceEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device,
+                                 dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
     elif cfg.backend == "sglang":
         from rollpacker.rollout.sglang_backend import SGLangEngine
-        engine = SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device, host=sglang_host)
+        engine = SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device, host=sglang_host,
+                              dtype=_SGLANG_DTYPES[cfg.dtype])
     else:
         raise ValueError(f"unknown rollout backend {cfg.backend!r}; choose 'reference' or 'sglang'")
     if cfg.length_replay.enabled:

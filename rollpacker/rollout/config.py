@@ -50,6 +50,10 @@ class RolloutConfig:
     kv_page_size: int = 16  # reference engine: tokens per KV page (the unit of admission/preemption)
     max_prefill_tokens: int = 16384  # reference engine: padded prompt tokens prefilled in one forward
     seed: int = 0  # seeds requests submitted without their own seed
+    # The engine's weights, KV and compute: auto is fp32 for the reference engine and an sglang engine
+    # on CPU, the checkpoint's dtype for sglang on a GPU. bf16 against an fp32 trainer makes the
+    # engine-trainer gap real on a CPU (trainer.mismatch measures and corrects it).
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
     max_running_requests: int = 256
     mem_fraction_static: float = 0.7  # sglang
     weight_bucket_mb: int = 512  # size bound of one weight-update bucket

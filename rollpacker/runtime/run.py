@@ -295,5 +295,9 @@ class Run:
             "response_len_p99": float(np.percentile(lengths, 99)), "response_len_max": int(lengths.max()),
             "reward_mean": float(rewards.mean()),
             "accuracy": float(np.mean([bool(x.correct) for x in samples])),
-            **self.seconds, **self.phases.pop_seconds(), **{f"train/{k}": v for k, v in train.items()},
+            **self.seconds, **self.phases.pop_seconds(),
+            **{(k if k.startswith("mismatch/") else f"train/{k}"): v for k, v in train.items()},
+            # the gap per round kind too: long rounds' long responses are where it accumulates
+            **{f"mismatch/{result.kind.value}/{k.split('/', 1)[1]}": v for k, v in train.items()
+               if k.startswith("mismatch/") and k.count("/") == 1},
         }

@@ -24,6 +24,7 @@ import abc
 import contextlib
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,6 +34,7 @@ from megatron.core import tensor_parallel
 from megatron_ext.logprobs import token_logprobs
 from megatron_ext.parallel import ParallelLayout
 from megatron_ext.weights import unwrap
+from rollpacker.trainer import mismatch
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.grpo import LossSums, grpo_token_loss
 from rollpacker.trainer.packing import Layout, MicroBatch
@@ -126,9 +128,17 @@ class StepResult:
 
 
 def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig, tp_group: dist.ProcessGroup,
-                     vocab_size: int) -> tuple[torch.Tensor, LossSums]:
-    """GRPO loss of one micro-batch from its vocab-parallel logits ``[b, s, V/tp]``."""
+                     vocab_size: int, cp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, LossSums]:
+    """GRPO loss of one micro-batch from its vocab-parallel logits ``[b, s, V/tp]``: see ``policy_loss``."""
     logprobs, entropy = token_logprobs(logits, mb.labels, tp_group, vocab_size=vocab_size, with_entropy=True)
+    return policy_loss(mb, logprobs, entropy, cfg=cfg, cp_group=cp_group)
+
+
+def policy_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | None = None, *,
+                cfg: TrainerConfig, cp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, LossSums]:
+    """GRPO loss of one micro-batch from the trainer's log-probs of its tokens, with the engine-trainer
+    gap measured and, if configured, corrected. ``cp_group``: the context-parallel group whose ranks
+    hold the other parts of these sequences (None: this rank holds them whole)."""
     # recompute: the behaviour policy is the current weights (one optimizer step per batch), so its
     # log-probs are this forward's own, detached (old=None); a second forward would give the same numbers.
     old = None
@@ -138,12 +148,28 @@ def micro_batch_loss(mb: MicroBatch, logits: torch.Tensor, *, cfg: TrainerConfig
             raise ValueError("trainer.old_logprobs=engine, but some response tokens have no rollout log-prob; "
                              "use old_logprobs=recompute or make the engine return log-probs")
         old = torch.nan_to_num(mb.rollout_logprobs, nan=0.0)
+    reduce = None if cp_group is None else partial(_all_reduced, group=cp_group)
+    gap = mismatch.measure(logprobs, mb.rollout_logprobs, loss_mask=mb.loss_mask, sequence_index=mb.sequence_index,
+                           sequence_starts=mb.sequence_starts, num_sequences=mb.num_sequences, reduce=reduce)
+    loss_mask, weights, starts, is_weights = mb.loss_mask, mb.weights, mb.sequence_starts, None
+    if cfg.mismatch.correct != "off":
+        fix = mismatch.correct(gap, cfg.mismatch)
+        kept_len, starts = mismatch.kept_responses(gap, fix.keep)
+        loss_mask, is_weights, starts = (t.reshape(mb.loss_mask.shape) for t in (fix.keep, fix.weights, starts))
+        if cfg.loss_aggregation == "seq_mean":  # a response's rejected tokens leave its length too
+            weights = (1.0 / kept_len.clamp(min=1.0)).reshape(mb.weights.shape)
     sums = grpo_token_loss(
-        logprobs, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
+        logprobs, advantages=mb.advantages, loss_mask=loss_mask, weights=weights,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, old_logprobs=old,
         ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
-        sequence_starts=mb.sequence_starts)
+        sequence_starts=starts, is_weights=is_weights)
+    sums.mismatch = mismatch.diagnostics(gap, cfg.mismatch)
     return sums.objective, sums.detached()
+
+
+def _all_reduced(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def logprobs_only(mb: MicroBatch, logits: torch.Tensor, *, tp_group: dist.ProcessGroup,

@@ -1,10 +1,11 @@
 """Configuration of the trainer (GRPO on Megatron-core)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from rollpacker.configlib import ConfigError
+from rollpacker.trainer.mismatch import MismatchConfig
 
 # How the GPU backend computes packed (THD) attention without Transformer Engine; the paths are
 # described in megatron_ext/packed_attention.py, which takes its modes from here.
@@ -45,6 +46,8 @@ class TrainerConfig:
     stream_trigger_low: float = 0.2  # fraction of requests done before the hand-off may fire
     stream_trigger_high: float = 0.5
     old_logprobs: Literal["recompute", "engine"] = "recompute"
+    # the engine-trainer gap: diagnostics every step, importance-sampling correction (off by default)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     # Packed (THD) attention of the GPU backend without Transformer Engine
     # (megatron_ext/packed_attention.py): "auto" is one FlashAttention varlen call per micro-batch
     # where torch has it (CUDA, bf16/fp16) and one SDPA call per sequence elsewhere; "varlen",
@@ -84,6 +87,12 @@ class TrainerConfig:
             raise ConfigError("adam_beta1 and adam_beta2 must be in [0, 1)")
         if not 0 < self.stream_trigger_low <= self.stream_trigger_high < 1:
             raise ConfigError("need 0 < stream_trigger_low <= stream_trigger_high < 1")
+        if self.mismatch.correct != "off" and self.old_logprobs == "engine":
+            raise ConfigError(
+                f"trainer.mismatch.correct={self.mismatch.correct} weights each token by pi_train / pi_rollout, "
+                "which needs the trainer's own log-probs as the old policy; with old_logprobs=engine the PPO "
+                "ratio is already taken against the engine's (pi / pi_rollout). Set old_logprobs=recompute, or "
+                "mismatch.correct=off")
         if self.packed_attention not in PACKED_ATTENTION_MODES:
             raise ConfigError(f"packed_attention must be one of {', '.join(PACKED_ATTENTION_MODES)}, "
                               f"got {self.packed_attention!r}")

@@ -88,12 +88,16 @@ class LossSums:
     logprob_mismatch: torch.Tensor  # |logp - rollout logp|, over tokens that have a rollout logp
     logprob_mismatch_max: torch.Tensor  # the largest of those: a maximum, not a sum (MAX_FIELDS)
     mismatch_tokens: torch.Tensor
-    tokens: torch.Tensor
-    sequences: torch.Tensor
+    tokens: torch.Tensor  # the loss's tokens: response tokens the mismatch correction did not reject
+    sequences: torch.Tensor  # responses with a token in the loss
+    is_weight: torch.Tensor  # the mismatch correction's importance weights, summed over the loss's tokens
+    mismatch: torch.Tensor  # the engine-trainer gap's statistics per length bucket (mismatch.diagnostics)
 
     @classmethod
-    def zeros(cls, device: torch.device | str = "cpu") -> "LossSums":
-        return cls(**{f.name: torch.zeros((), dtype=torch.float64, device=device) for f in fields(cls)})
+    def zeros(cls, device: torch.device | str = "cpu", mismatch_shape: tuple[int, ...] = ()) -> "LossSums":
+        """All zero; ``mismatch`` of ``mismatch_shape`` (a scalar adds to any shape)."""
+        return cls(**{f.name: torch.zeros(mismatch_shape if f.name == "mismatch" else (), dtype=torch.float64,
+                                          device=device) for f in fields(cls)})
 
     def detached(self) -> "LossSums":
         return LossSums(**{f.name: getattr(self, f.name).detach().to(torch.float64) for f in fields(self)})
@@ -103,18 +107,23 @@ class LossSums:
             getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
 
     def as_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums, maxima): the fields as two float64 vectors, one all-reduced with SUM, one with MAX."""
+        """(sums, maxima): the fields as two float64 vectors, one all-reduced with SUM, one with MAX;
+        the ``mismatch`` matrix flattened at the end of the first."""
         def stack(names: list[str]) -> torch.Tensor:
             return torch.stack([getattr(self, n).detach().to(torch.float64).reshape(()) for n in names])
-        return stack(_SUMMED), stack(sorted(MAX_FIELDS))
+        return torch.cat([stack(_SUMMED), self.mismatch.detach().to(torch.float64).reshape(-1)]), \
+            stack(sorted(MAX_FIELDS))
 
     @classmethod
-    def from_vectors(cls, sums: torch.Tensor, maxima: torch.Tensor) -> "LossSums":
-        return cls(**dict(zip(_SUMMED, sums)), **dict(zip(sorted(MAX_FIELDS), maxima)))
+    def from_vectors(cls, sums: torch.Tensor, maxima: torch.Tensor,
+                     mismatch_shape: tuple[int, ...] = ()) -> "LossSums":
+        n = len(_SUMMED)
+        return cls(**dict(zip(_SUMMED, sums[:n])), **dict(zip(sorted(MAX_FIELDS), maxima)),
+                   mismatch=sums[n:].reshape(mismatch_shape))
 
 
 MAX_FIELDS = frozenset({"logprob_mismatch_max"})
-_SUMMED = [f.name for f in fields(LossSums) if f.name not in MAX_FIELDS]
+_SUMMED = [f.name for f in fields(LossSums) if f.name not in MAX_FIELDS | {"mismatch"}]
 
 
 def grpo_token_loss(
@@ -132,6 +141,7 @@ def grpo_token_loss(
     entropy: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     sequence_starts: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> LossSums:
     """Clipped-surrogate GRPO loss summed over the tokens selected by ``loss_mask``.
 
@@ -144,8 +154,10 @@ def grpo_token_loss(
     ``r = exp(clamp(logp - old, -20, 20))``; with ``clip_ratio_c`` set, a token with ``A < 0`` has
     that capped at ``-A * clip_ratio_c`` (dual clip: a huge ratio on a bad token no longer
     dominates, and the capped token has no gradient). Plus ``kl_coef * k3(logp, ref)``.
-    ``rollout_logprobs`` (NaN where missing) only feeds the mismatch metric. ``sequence_starts``
-    marks one token per sequence (its first response token), to count sequences.
+    ``is_weights`` (detached; the mismatch correction's) multiplies the policy-gradient term after
+    the clip, as veRL's and slime's do. ``rollout_logprobs`` (NaN where missing) only feeds the
+    log-prob mismatch metric. ``sequence_starts`` marks one token per sequence (its first response
+    token), to count sequences.
     """
     mask = loss_mask.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
@@ -159,6 +171,9 @@ def grpo_token_loss(
         cap = -adv * clip_ratio_c
         dual = (adv < 0) & (per_token.detach() > cap)
         per_token = torch.where(dual, cap, per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.reshape(per_token.shape).to(per_token.dtype)
+        sums_is_weight = (is_weights.reshape(mask.shape).to(torch.float64) * mask).sum()
     pg_sum = (per_token * mask).sum()
     kl_tok = torch.zeros_like(per_token)
     if kl_coef > 0.0:
@@ -183,6 +198,7 @@ def grpo_token_loss(
         sums.logprob_mismatch_max = (diff * have).max().double() if diff.numel() else sums.logprob_mismatch_max
         sums.mismatch_tokens = have.sum().double()
     sums.tokens = mask.sum().double()
+    sums.is_weight = sums_is_weight if is_weights is not None else sums.tokens
     if sequence_starts is not None:
         sums.sequences = sequence_starts.to(torch.float64).sum()
     return sums

@@ -115,7 +115,7 @@ def _pack_padded(lengths: Sequence[int], order: list[int], budget: int) -> list[
 
 
 TOKEN_FIELDS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "weights", "rollout_logprobs",
-                "sequence_starts", "ref_logprobs")
+                "sequence_starts", "sequence_index", "ref_logprobs")
 
 
 @dataclass
@@ -130,11 +130,13 @@ class MicroBatch:
     weights: torch.Tensor  # float64, aggregation weight per position
     rollout_logprobs: torch.Tensor  # float64, engine log-prob of the next token (NaN if none)
     sequence_starts: torch.Tensor  # float, 1 on the first loss position of each sequence
+    sequence_index: torch.Tensor  # long, the position's sequence (0..num_sequences-1; padding: any)
     layout: Layout
     cu_seqlens: torch.Tensor | None  # int32 [n+1] (thd only), offsets of padded sequences
     cu_seqlens_unpadded: torch.Tensor | None  # int32 [n+1] (thd only), true lengths
     max_seqlen: int
     num_tokens: int  # real (unpadded) tokens, the compute cost
+    num_sequences: int
     ref_logprobs: torch.Tensor | None = None  # filled by the trainer when kl_coef > 0
 
     def to(self, device: torch.device | str, *, seqlens_device: torch.device | str | None = None) -> "MicroBatch":
@@ -145,7 +147,7 @@ class MicroBatch:
         return MicroBatch(**moved)
 
 
-def _sequence_rows(sample: Sample, weight: float) -> dict[str, list]:
+def _sequence_rows(sample: Sample, weight: float, index: int) -> dict[str, list]:
     prompt, response = list(sample.prompt.input_ids), list(sample.response_ids)
     tokens = prompt + response
     n, p, r = len(tokens), len(prompt), len(response)
@@ -162,12 +164,13 @@ def _sequence_rows(sample: Sample, weight: float) -> dict[str, list]:
         "weights": [weight] * n,
         "rollout_logprobs": [float("nan")] * (p - 1) + rollout + [float("nan")],
         "sequence_starts": [0.0] * (p - 1) + [1.0] + [0.0] * r,
+        "sequence_index": [index] * n,
     }
 
 
 _DTYPES = {"input_ids": torch.long, "position_ids": torch.long, "labels": torch.long, "loss_mask": torch.float32,
            "advantages": torch.float64, "weights": torch.float64, "rollout_logprobs": torch.float64,
-           "sequence_starts": torch.float32}
+           "sequence_starts": torch.float32, "sequence_index": torch.long}
 _PAD = {"rollout_logprobs": float("nan")}
 
 
@@ -190,14 +193,14 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
     for s in samples:
         check_trainable(s)
     weights = token_weights([len(s.response_ids) for s in samples], aggregation)
-    rows = [_sequence_rows(s, w) for s, w in zip(samples, weights)]
+    rows = [_sequence_rows(s, w, i) for i, (s, w) in enumerate(zip(samples, weights))]
     lengths = [len(r["input_ids"]) for r in rows]
     if layout == "padded":
         width = max(lengths)
         cols = {k: torch.tensor([r[k] + [_PAD.get(k, 0)] * (width - len(r[k])) for r in rows], dtype=dt)
                 for k, dt in _DTYPES.items()}
         return MicroBatch(**cols, layout=layout, cu_seqlens=None, cu_seqlens_unpadded=None,
-                          max_seqlen=width, num_tokens=sum(lengths))
+                          max_seqlen=width, num_tokens=sum(lengths), num_sequences=len(rows))
     if layout != "thd":
         raise ValueError(f"micro-batch layout must be 'padded' or 'thd', got {layout!r}")
     padded = [-(-n // pad_multiple) * pad_multiple for n in lengths]
@@ -211,7 +214,7 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
     offsets = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     true_offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return MicroBatch(**cols, layout=layout, cu_seqlens=offsets, cu_seqlens_unpadded=true_offsets,
-                      max_seqlen=max(padded), num_tokens=sum(lengths))
+                      max_seqlen=max(padded), num_tokens=sum(lengths), num_sequences=len(rows))
 
 
 def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,

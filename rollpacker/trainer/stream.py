@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.sample import Sample
+from rollpacker.trainer import mismatch
 from rollpacker.trainer.backend import Backend, logprobs_only, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.grpo import LossSums, denominator, group_advantages, step_metrics
@@ -77,7 +78,9 @@ class StreamTrainer:
             raise ValueError("trainer.kl_coef > 0 needs the reference policy's weights (reference=...)")
         self.backend, self.cfg, self.reference, self.clock = backend, cfg, reference, clock
         layout = backend.layout
-        self._loss_fn = partial(micro_batch_loss, cfg=cfg, tp_group=layout.tp_group, vocab_size=backend.vocab_size)
+        self._loss_fn = partial(micro_batch_loss, cfg=cfg, tp_group=layout.tp_group, vocab_size=backend.vocab_size,
+                                cp_group=layout.cp_group if layout.cp > 1 else None)
+        self._mismatch_shape = (len(cfg.mismatch.length_buckets) + 1, len(mismatch.STATS))
         self._ref_fn = partial(logprobs_only, tp_group=layout.tp_group, vocab_size=backend.vocab_size)
         self._open = False
 
@@ -91,7 +94,7 @@ class StreamTrainer:
     def begin(self) -> None:
         """Start a step: zero gradients and counters."""
         self.backend.zero_grad()
-        self._sums = LossSums.zeros(self.backend.layout.device)
+        self._sums = LossSums.zeros(self.backend.layout.device, self._mismatch_shape)
         # local counters: response tokens, sequences, groups and compute tokens
         self._counts = {k: 0 for k in ("resp_tokens", "sequences", "groups", "tokens")}
         self._spans: list[tuple[float, float, int, int]] = []  # streamed: (start, end, tokens, groups)
@@ -206,15 +209,21 @@ class StreamTrainer:
         total = dict(zip([*self._counts, "groups_before", "tokens_before"],
                          (int(x) for x in counts[:len(self._counts) + 2].tolist())))
         compute_before, compute_after = counts[len(self._counts) + 2:].tolist()
-        denom = denominator(total["resp_tokens"], total["sequences"], self.cfg.loss_aggregation)
-        if denom == 0:
+        if total["resp_tokens"] == 0:
             raise ValueError("the step holds no response tokens: nothing to train on")
-        self.backend.reduce_grads(1.0 / denom)
-        global_sums = LossSums.from_vectors(sums, maxima)
-        loss_finite = math.isfinite(float(global_sums.objective))
+        global_sums = LossSums.from_vectors(sums, maxima, self._mismatch_shape)
+        # the loss's own counts: the mismatch correction may have rejected tokens, which leave the denominator
+        denom = denominator(int(global_sums.tokens), int(global_sums.sequences), self.cfg.loss_aggregation)
+        self.backend.reduce_grads(1.0 / max(denom, 1))
+        # nothing left to learn from (every token rejected) is not a step: Adam would still move the weights
+        loss_finite = math.isfinite(float(global_sums.objective)) and denom > 0
         result = self.backend.step() if loss_finite else None
         applied = result is not None and result.applied
         metrics = step_metrics(global_sums, self.cfg.loss_aggregation)
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch.metrics(global_sums.mismatch, self.cfg.mismatch).items()})
+        if self.cfg.mismatch.correct != "off":
+            metrics["mismatch/kept_token_frac"] = float(global_sums.tokens) / total["resp_tokens"]
+            metrics["mismatch/is_weight_mean"] = float(global_sums.is_weight) / max(float(global_sums.tokens), 1.0)
         report = StreamReport(
             started_at=self._started_at, rollout_ended_at=self._rollout_ended_at,
             groups_before_rollout_end=total["groups_before"], groups_total=total["groups"],

@@ -2,11 +2,13 @@
 
 NaN/Inf skips the step and keeps the weights; exact resume from state_dict;
 the KL reference is swapped in and out bit-identically; engine log-probs feed
-the ratio and the mismatch metric; padding does not change the numerics.
+the ratio and the mismatch metric; padding does not change the numerics; the mismatch correction
+drops rejected tokens from the loss and its denominator, and weights of 1 change nothing.
 TP=2 against TP=1 and the pipeline schedule, over 2 torchrun ranks: tests/integration/test_trainer_procs.py.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import pytest
@@ -14,9 +16,10 @@ import torch
 
 from megatron_ext.parallel import setup_layout, teardown_layout
 from testkit import make_random_qwen2
-from rollpacker.trainer.backend import logprobs_only
+from rollpacker.trainer.backend import logprobs_only, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig
-from rollpacker.trainer.packing import build_micro_batch
+from rollpacker.trainer.mismatch import MismatchConfig
+from rollpacker.trainer.packing import build_micro_batch, pack, sequence_length
 from rollpacker.trainer.stream import with_advantages
 from rollpacker.trainer.trainer import Trainer
 from tests.dist.trainer_fixtures import random_groups
@@ -236,3 +239,88 @@ def test_bad_settings_are_refused(layout, model_dir):
     trainer.stream.begin()
     with pytest.raises(ValueError, match="has no reward"):
         trainer.stream.consume([[s.replace(reward=None) for s in random_groups(0, num_groups=1)[0]]])
+
+
+# -- the engine-trainer mismatch: its correction in the real trainer (the maths: test_mismatch.py) ----------------------------------------------------------------------------------
+
+
+def engine_equals_trainer(trainer, groups):
+    """``groups`` whose engine log-probs are the trainer's own, computed on the micro-batches the step
+    will train (one replica: the samples in group order, packed as the trainer packs them): every
+    importance weight is exactly 1."""
+    cfg = trainer.cfg
+    samples = [s for g in groups for s in with_advantages(g, cfg)]
+    fn = partial(logprobs_only, tp_group=trainer.layout.tp_group, vocab_size=trainer.backend.vocab_size)
+    lps = [None] * len(samples)
+    for rows in pack([sequence_length(s) for s in samples], cfg.micro_batch_tokens, "padded"):
+        mb = build_micro_batch([samples[i] for i in rows], aggregation=cfg.loss_aggregation, layout="padded")
+        [lp] = trainer.backend.forward_backward([mb], fn, forward_only=True)
+        for i, row, mask in zip(rows, lp, mb.loss_mask):
+            lps[i] = row[mask > 0].tolist()
+    it = iter(lps)
+    return [[s.replace(rollout_logprobs=next(it)) for s in g] for g in groups]
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_rejected_responses_leave_the_step_as_if_never_sampled(layout, model_dir, aggregation):
+    """Sequence-level masked IS: one group's engine log-probs equal the trainer's (weight 1, kept), the
+    other group's are 3 nats off per token (rejected). The update equals a step on the kept group alone,
+    so the rejected tokens are out of the loss and out of its denominator."""
+    kw = dict(micro_batch_tokens=10_000, loss_aggregation=aggregation)
+    corrected = make(layout, model_dir, mismatch=MismatchConfig(correct="sequence", mode="mask"), **kw)
+    kept, rejected = engine_equals_trainer(corrected, random_groups(7, num_groups=2, group_size=3))
+    rejected = [s.replace(rollout_logprobs=[x - 3.0 for x in s.rollout_logprobs]) for s in rejected]
+    m = corrected.train_step([kept, rejected])
+    alone = make(layout, model_dir, **kw)
+    ref = alone.train_step([kept])
+    print(f"{aggregation}: corrected tokens {m['tokens']} seqs {m['sequences']} loss {m['loss']:.6f}; "
+          f"kept group alone tokens {ref['tokens']} loss {ref['loss']:.6f}")
+    assert (m["tokens"], m["sequences"]) == (ref["tokens"], ref["sequences"]) == (
+        sum(len(s.response_ids) for s in kept), len(kept))
+    assert m["mismatch/kept_token_frac"] < 1 and m["mismatch/is_weight_mean"] == 1.0
+    assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    for a, b in zip(params(corrected), params(alone)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)  # Adam: lr * g / (|g| + eps), a tiny g moves 1e-7
+
+
+def test_a_step_with_every_token_rejected_is_skipped(layout, model_dir):
+    trainer = make(layout, model_dir, mismatch=MismatchConfig(correct="token", mode="mask"))
+    groups = [[s.replace(rollout_logprobs=[x - 3.0 for x in s.rollout_logprobs]) for s in g]
+              for g in engine_equals_trainer(trainer, random_groups(7, num_groups=2, group_size=3))]
+    before = params(trainer)
+    m = trainer.train_step(groups)
+    assert m["skipped"] == 1 and m["tokens"] == 0 and m["mismatch/kept_token_frac"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(params(trainer), before))
+
+
+def test_weights_of_one_change_nothing_and_the_diagnostics_read_zero(layout, model_dir):
+    plain = make(layout, model_dir)
+    truncated = make(layout, model_dir, mismatch=MismatchConfig(correct="token"))
+    groups = engine_equals_trainer(plain, random_groups(3, num_groups=2, group_size=3))
+    a, b = plain.train_step(groups), truncated.train_step(groups)
+    assert a["mismatch/kl_k3"] == 0 and a["mismatch/chi2_token"] == 0 and a["mismatch/ppl_ratio"] == 1
+    assert b["mismatch/is_weight_mean"] == 1.0 and a["loss"] == b["loss"]
+    assert all(torch.equal(x, y) for x, y in zip(params(plain), params(truncated)))
+
+
+def test_seq_mean_divides_each_response_by_its_kept_tokens(layout, model_dir):
+    """The denominator case slime's #657 fixed: with token-level masking and a per-response mean, a
+    response's loss is divided by the tokens it kept, not by its length. The current policy is the
+    behaviour policy (ratio 1), so each kept token contributes -A * w / kept(response)."""
+    trainer = make(layout, model_dir, loss_aggregation="seq_mean",
+                   mismatch=MismatchConfig(correct="token", mode="mask", high=1.5))
+    [group] = engine_equals_trainer(trainer, random_groups(4, num_groups=1, group_size=4, response_len=(6, 12)))
+    shift = [0.0, 1.0, 0.1, -0.2]  # per token, cycling: exp(-1) is rejected, the others kept with weight exp(-shift)
+    group = [s.replace(rollout_logprobs=[x + shift[i % 4] for i, x in enumerate(s.rollout_logprobs)]) for s in group]
+    samples = with_advantages(group, trainer.cfg)
+    mb = build_micro_batch(samples, aggregation="seq_mean", layout="padded")
+    fn = partial(micro_batch_loss, cfg=trainer.cfg, tp_group=layout.tp_group, vocab_size=trainer.backend.vocab_size)
+    [sums] = trainer.backend.forward_backward([mb], fn, forward_only=True)
+    loss = sums.objective
+    expected = 0.0
+    for s in samples:
+        weights = [math.exp(-shift[i % 4]) for i in range(len(s.response_ids)) if shift[i % 4] != 1.0]
+        expected += sum(-s.advantage * w for w in weights) / len(weights)
+    print(f"objective {float(loss):.8f}, by hand {expected:.8f}")
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert int(sums.tokens) == sum(len([i for i in range(len(s.response_ids)) if i % 4 != 1]) for s in samples)
