@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from bench.e2e import example_recipe
 from bench.e2e.stats import paired_difference
+from bench.tools.results import write_results
 
-REPO = Path(__file__).resolve().parents[2]
 BF16 = ["rollout.dtype=bf16"]
 ARMS = {
     "fp32": ["rollout.dtype=fp32"],
@@ -95,13 +92,16 @@ def compare(by_arm: dict[str, list[dict]], base: str) -> dict:
     return out
 
 
-def plot(by_arm: dict[str, list[dict]], path: Path) -> None:
+COLORS = {"fp32": "tab:gray", "bf16": "tab:blue", "bf16_tis": "tab:orange"}
+
+
+def plot(by_arm: dict[str, list[dict]], path: Path, config: str, results: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    colors = dict(zip(by_arm, ("tab:gray", "tab:blue", "tab:orange", "tab:green")))
+    colors = COLORS
     for arm, runs in by_arm.items():
         evals = [p["step"] for p in runs[0]["curve"]]
         axes[0].plot(evals, [statistics.fmean(r["curve"][i]["t1_pass@1"] for r in runs) for i in range(len(evals))],
@@ -121,11 +121,56 @@ def plot(by_arm: dict[str, list[dict]], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("configs/tiny-cpu.yaml: reference engine in fp32 or bf16, trainer in fp32 "
-                 "(bench/results/mismatch.json)", fontsize=9)
+    fig.suptitle(f"{config}: reference engine in {' or '.join(a for a in ('fp32', 'bf16') if a in by_arm)}, "
+                 f"trainer in fp32 ({results})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2e}" if x and abs(x) < 1e-3 else f"{x:.4f}"
+
+
+def markdown(r: dict) -> str:
+    """The results file as docs/mismatch.md's tables (rendered by ``python -m bench.tools.report``)."""
+    seeds = sorted({run["seed"] for run in r["runs"]})
+    lines = [f"`{r['command']}` at {r['commit']}, {r['date'][:10]}, {r['machine']}, load average "
+             f"{', '.join(f'{x:.1f}' for x in r['load_average'])} at the end; seeds {', '.join(map(str, seeds))}."
+             + (f" {r['dirty_note']}" if "dirty_note" in r else ""), "",
+             "The gap, mean over every step of every seed (KL in nats per token):", "",
+             "| arm | round | kl_k1 | kl_k3 | chi2_token | chi2_seq | ppl_ratio | tokens above `high` | tokens below 1/`high` |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm, g in r["gap"].items():
+        for kind, row in (("all", g["all"]), *g["by_round"].items()):
+            lines.append(f"| {arm} | {kind} | " + " | ".join(_f(row[k]) for k in ("kl_k1", "kl_k3", "chi2_token", "chi2_seq"))
+                         + f" | {row['ppl_ratio']:.6f} | " + " | ".join(_f(row[k]) for k in ("tokens_above", "tokens_below"))
+                         + " |")
+    lines += ["", "By response length (tokens), kl_k3 / chi2_seq:", "",
+              "| arm | " + " | ".join(next(iter(r["gap"].values()))["by_length"]) + " |",
+              "|---|" + "---|" * len(next(iter(r["gap"].values()))["by_length"])]
+    for arm, g in r["gap"].items():
+        lines.append(f"| {arm} | " + " | ".join(f"{_f(b['kl_k3'])} / {_f(b['chi2_seq'])}"
+                                              for b in g["by_length"].values()) + " |")
+    lines += ["", "Long rounds' kl_k3 minus short rounds', paired by seed (95% t-interval):", ""]
+    for arm, g in r["gap"].items():
+        d = g["long_minus_short_kl_k3"]
+        which = ("no difference (the interval contains 0)" if d["low"] <= 0 <= d["high"]
+                 else "long rounds' gap larger" if d["low"] > 0 else "long rounds' gap smaller")
+        lines.append(f"- {arm}: {_f(d['mean'])} [{_f(d['low'])}, {_f(d['high'])}]: {which}")
+    pairs = [(arm, base, what) for arm, base, what in (
+        ("bf16", "fp32", "what the bf16 engine changes (its evaluation runs in bf16 too)"),
+        ("bf16_tis", "bf16", "what the correction changes")) if arm in r.get(f"against_{base}", {})]
+    if pairs:
+        keys = list(r[f"against_{pairs[0][1]}"][pairs[0][0]])
+        lines += ["", "Paired by seed, mean difference [95% t-interval] at the last step (pass@1), over the last "
+                  f"{LAST_STEPS} steps (reward) and over all steps (grad norm):", "",
+                  "| difference | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for arm, base, what in pairs:
+            row = r[f"against_{base}"][arm]
+            lines.append(f"| {arm} − {base}: {what} | " + " | ".join(
+                f"{row[k]['mean']:+.3f} [{row[k]['low']:+.3f}, {row[k]['high']:+.3f}]" for k in keys) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/mismatch")
     p.add_argument("--results", default="bench/results/mismatch.json")
     p.add_argument("--plot", default=None)
+    p.add_argument("--replot", action="store_true", help="only draw --plot from the existing --results file")
     p.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.results).read_text())
+        runs = {a: [r for r in saved["runs"] if r["arm"] == a] for a in saved["arms"]}
+        plot(runs, Path(args.plot), saved["config"], args.results)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in args.arms.split(",") if a]
@@ -152,20 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             run = example_recipe.run_one(runner, "tail_batching", seed, out)
             run.update(arm=arm, steps=per_step(out / f"{arm}-tail_batching-s{seed}" / "metrics.jsonl"))
             by_arm[arm].append(run)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     result = {
         "what": "the built-in example with the reference engine in fp32 or bf16 against the fp32 trainer, "
                 "with and without importance-sampling correction: the gap's size and the training outcome",
-        "command": shlex.join([sys.executable, "-m", "bench.e2e.mismatch", *(argv if argv is not None else sys.argv[1:])]),
-        "config": args.config, "arms": {a: ARMS[a] for a in arms}, "overrides": args.overrides, "commit": commit,
-        "cores": os.cpu_count(), "load_average_at_end": list(os.getloadavg()),
+        "config": args.config, "arms": {a: ARMS[a] for a in arms}, "overrides": args.overrides,
         "gap": {a: gap_size(runs) for a, runs in by_arm.items()},
         "against_bf16": compare(by_arm, "bf16") if "bf16" in by_arm else {},
         "against_fp32": compare(by_arm, "fp32") if "fp32" in by_arm else {},
         "runs": [r for runs in by_arm.values() for r in runs],
     }
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.results, result)
     for arm, g in result["gap"].items():
         by_round = g["by_round"]
         print(f"{arm}: kl_k3 {g['all']['kl_k3']:.3g} (short {by_round['short']['kl_k3']}, long "
@@ -177,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arm} - {base}, {key}: {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] ({c['verdict']})")
     print(f"written to {args.results}")
     if args.plot:
-        plot(by_arm, Path(args.plot))
+        plot(by_arm, Path(args.plot), args.config, args.results)
         print(f"drawn to {args.plot}")
     return 0
 

@@ -173,6 +173,9 @@ def check_weight_sync(subject: Subject) -> dict[str, Any]:
 LOGPROB_MISMATCH_CHECK = {"cpu": ("train/logprob_mismatch_max", 3e-5), "cuda": ("train/logprob_mismatch", 1e-2)}
 
 
+MISMATCH_FIGURES = ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "ppl_ratio", "tokens_above")
+
+
 def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int, backend: str = "reference",
                   progress: Callable[[dict[str, Any]], None] | None = None, overrides: Sequence[str] = (),
                   label: str = "program") -> dict[str, Any]:
@@ -211,6 +214,8 @@ def check_program(device: torch.device, out_dir: Path, steps: int, timeout: int,
                        "train_s": [m.get("time/train_s") for m in metrics],
                        "sync_check": sync, "sync_bytes": [m["sync/bytes"] for m in metrics],
                        "logprob_mismatch_max": [m["train/logprob_mismatch_max"] for m in metrics],
+                       # the engine-trainer gap of every step (rollpacker/trainer/mismatch.py)
+                       "mismatch": {k: [m.get(f"mismatch/{k}") for m in metrics] for k in MISMATCH_FIGURES},
                        "sync_ok": all(v == 0.0 for v in sync) if backend == "reference"
                        else all(v < mismatch_bound for v in sync)}
         if progress:

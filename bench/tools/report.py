@@ -19,7 +19,7 @@ import statistics
 import sys
 from typing import Any, Callable
 
-from bench.e2e import stats
+from bench.e2e import mismatch, stats
 from bench.tools.results import REPO
 
 RESULTS = REPO / "bench" / "results"
@@ -27,7 +27,7 @@ ROLLPACKER_ROW = stats.ROLLPACKER  # the ablation row with every component on
 README = REPO / "README.md"
 # the files that hold generated blocks: the front page's headline and docs/results.md's full tables
 PAGES = (README, REPO / "docs" / "results.md", REPO / "docs" / "gpu.md", REPO / "docs" / "sglang.md",
-         REPO / "docs" / "slurm.md")
+         REPO / "docs" / "slurm.md", REPO / "docs" / "mismatch.md")
 BLOCK = re.compile(r"(<!-- bench\.tools\.report (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench\.tools\.report -->)", re.S)
 
 
@@ -548,7 +548,8 @@ def _messages(counts: dict[str, int], rounds: int) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "e2e_recheck": e2e, "rollout": rollout, "rollout_replay": rollout, "race_bias": race_bias,
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
     "sim": sim, "sim_step": sim_step, "cpu_decode_bound": cpu_decode_bound, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
-    "engine": engine, "reward": reward, "control": control}
+    "engine": engine, "reward": reward, "control": control, "mismatch": mismatch.markdown,
+    "mismatch_recheck": mismatch.markdown}
 
 
 # blocks drawn from several sources: rendered by a function that reads them itself

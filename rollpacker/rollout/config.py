@@ -65,6 +65,10 @@ class RolloutConfig:
     # for a full sglang install. A CPU engine always runs torch_native / pytorch.
     sglang_attention_backend: str | None = "triton"
     sglang_sampling_backend: str | None = "pytorch"
+    # sglang's --enable-deterministic-inference: batch-invariant kernels, so a response's log-probs do
+    # not depend on what else shares its batch (a part of the engine-trainer gap, not all of it:
+    # docs/mismatch.md). sglang accepts it with the triton, fa3, fa4 and flashinfer attention backends.
+    sglang_deterministic_inference: bool = False
     # each response as long as a trace says, stop tokens ignored: a timing tool (rollpacker.rollout.replay)
     length_replay: ReplayConfig = field(default_factory=ReplayConfig)
 

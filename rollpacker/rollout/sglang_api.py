@@ -33,7 +33,7 @@ LOAD_TIMEOUT_S = 30.0  # one load-snapshot read (a shared-memory read on the eng
 SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.__init__": ("model_path", "tp_size", "base_gpu_id", "port", "nccl_port", "enable_memory_saver",
                         "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed",
-                        "sleep_on_idle", "attention_backend", "sampling_backend",
+                        "sleep_on_idle", "attention_backend", "sampling_backend", "enable_deterministic_inference",
                         # a CPU engine (``sglang_args.server_args``)
                         "device", "disable_cuda_graph", "max_total_tokens", "dtype", "skip_server_warmup"),
     "Engine.get_server_info": (),

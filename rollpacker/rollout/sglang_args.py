@@ -65,6 +65,8 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
     common = dict(model_path=str(model_dir), tp_size=tp_size, port=port, nccl_port=nccl_port,
                   mem_fraction_static=cfg.mem_fraction_static, max_running_requests=cfg.max_running_requests,
                   skip_tokenizer_init=True, random_seed=cfg.seed + engine_id, sleep_on_idle=True)
+    if cfg.sglang_deterministic_inference:
+        common["enable_deterministic_inference"] = True
     kind = torch.device(device).type
     if kind == "cpu":
         return dict(common, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",

@@ -120,6 +120,11 @@ def check_backends(cfg: Config) -> None:
         raise ConfigError(f"{src}: trainer.params_dtype={cfg.trainer.params_dtype}: without a GPU the trainer runs "
                           "Megatron's CPU backend, which trains in fp32 only (it keeps no fp32 master weights); "
                           "set trainer.params_dtype=fp32")
+    if not torch.cuda.is_available() and cfg.rollout.backend == "sglang" and cfg.rollout.sglang_deterministic_inference:
+        # sglang 0.5.23 srt/arg_groups/overrides.py:1117-1122 refuses it at engine start otherwise
+        raise ConfigError(f"{src}: rollout.sglang_deterministic_inference=true needs one of sglang's GPU attention "
+                          "backends (triton, fa3, fa4, flashinfer); an engine on CPU runs torch_native, which sglang "
+                          "refuses for deterministic inference. Set it to false on CPU")
 
 
 def check_data(cfg: Config, tokenizer) -> None:

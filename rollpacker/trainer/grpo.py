@@ -9,8 +9,9 @@ order (the stream trainer relies on this):
   for ``seq_mean``;
 * after every micro-batch of the step has been seen and the sums (and their
   gradients) have been added across ranks, the total is divided once by the
-  step's global denominator: the true number of response tokens
-  (``token_mean``) or of sequences (``seq_mean``).
+  step's global denominator: the number of response tokens (``token_mean``) or
+  of sequences (``seq_mean``) in the loss, which leaves out what a mismatch
+  correction rejected (``LossSums.tokens``, ``LossSums.sequences``).
 
 Because differentiation is linear, dividing the summed gradient by the
 denominator gives exactly the gradient of the normalised loss.

@@ -7,8 +7,9 @@ accumulate locally — no optimizer step, no data-parallel traffic. When the
 rollout ends, :meth:`StreamTrainer.finish` receives the groups nobody has
 consumed yet (the same list on every rank), spreads their samples over all
 data-parallel replicas by token count, then sums gradients over the replicas,
-divides by the step's true global token (or sequence) count and takes
-exactly one optimizer step.
+divides by the step's global token (or sequence) count, of the tokens the loss
+kept (a mismatch correction may reject some), and takes exactly one optimizer
+step.
 
 Because every micro-batch contributes an unnormalised sum (see grpo.py), the
 update does not depend on which rank consumed which sample, in which order
@@ -95,8 +96,8 @@ class StreamTrainer:
         """Start a step: zero gradients and counters."""
         self.backend.zero_grad()
         self._sums = LossSums.zeros(self.backend.layout.device, self._mismatch_shape)
-        # local counters: response tokens, sequences, groups and compute tokens
-        self._counts = {k: 0 for k in ("resp_tokens", "sequences", "groups", "tokens")}
+        # local counters: response tokens, groups and compute tokens
+        self._counts = {k: 0 for k in ("resp_tokens", "groups", "tokens")}
         self._spans: list[tuple[float, float, int, int]] = []  # streamed: (start, end, tokens, groups)
         self._finish_s = 0.0
         self._started_at: float | None = None
@@ -169,7 +170,6 @@ class StreamTrainer:
         tokens = sum(sequence_length(s) for s in samples)
         c = self._counts
         c["resp_tokens"] += sum(len(s.response_ids) for s in samples)
-        c["sequences"] += len(samples)
         c["groups"] += num_groups
         c["tokens"] += tokens
         return tokens

@@ -62,6 +62,7 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv
     assert program["modes"]["tail_batching"]["steps"] == program["modes"]["baseline"]["steps"] == 2
     for mode in program["modes"].values():
         assert all(b > 0 for b in mode["sync_bytes"]) and mode["sync_ok"], mode
+        assert all(0 <= k3 < 1e-6 for k3 in mode["mismatch"]["kl_k3"]), mode["mismatch"]  # fp32 engine and trainer
     replay = checks["program/replay_baseline_vs_tail_batching"]
     assert replay["replay"]["p0"] == 4 and all(m["steps"] == 2 and m["sync_ok"] for m in replay["modes"].values())
     report = (tmp_path / "acceptance.md").read_text()

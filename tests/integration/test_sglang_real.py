@@ -189,7 +189,8 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
       same command then resumes, and the ledger shows every prompt of the 3 steps trained exactly once;
     - short rounds ran on two TP-1 engines and the long round (step 3) on one TP-2 engine;
     - the trainer's log-probs of what the engine generated agree with the engine's every step, so each
-      step's weight sync reached the engine that served the round (stale weights would show at once)."""
+      step's weight sync reached the engine that served the round (stale weights would show at once),
+      and the step's mismatch diagnostics say the same."""
     from rollpacker.runtime.ledger import read_ledger
 
     out = tmp_path / "runs"
@@ -238,4 +239,6 @@ def test_training_program_on_real_engine_regroups_and_resumes_after_kill9(sglang
     for m in metrics.values():
         assert m["generated_tokens"] > 0 and m["train/sequences"] > 0 and m["sync/bytes"] > 0
         assert m["train/logprob_mismatch_max"] < CPU_SYNC_BOUND, m
+        # the engine-trainer gap's diagnostics on the real engine (fp32 on CPU: KL ~4e-14 per token)
+        assert 0 <= m["mismatch/kl_k3"] < 1e-9 and m[f"mismatch/{m['round']}/kl_k3"] == m["mismatch/kl_k3"], m
     assert (run_dir / "checkpoints" / f"step_{PROGRAM_STEPS:08d}" / "COMPLETE").exists()

@@ -85,6 +85,20 @@ def test_verify_sync_is_refused_with_an_engine_that_cannot_read_weights_back(mod
         check_layout(cfg, 2)
 
 
+def test_sglang_deterministic_inference_is_refused_on_cpu_before_any_engine_starts(model_dir, monkeypatch):
+    """sglang refuses --enable-deterministic-inference with the torch_native attention a CPU engine runs
+    (measured with 0.5.23: at engine start, on every rank); the preflight says so first."""
+    import importlib.util
+
+    from rollpacker.runtime import preflight
+    real = importlib.util.find_spec
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    preflight.check_backends(_cfg(model_dir, "rollout.backend=sglang"))  # installed, and nothing else asked
+    cfg = _cfg(model_dir, "rollout.backend=sglang", "rollout.sglang_deterministic_inference=true")
+    with pytest.raises(ConfigError, match=r"sglang_deterministic_inference=true needs one of sglang's GPU attention"):
+        preflight.check_backends(cfg)
+
+
 def test_batch_not_divisible_by_dp(model_dir):
     cfg = _cfg(model_dir, "scheduler.p0=3", "scheduler.r0=3")
     with pytest.raises(ConfigError, match=r"scheduler.p0\*scheduler.r0 = 9 is not divisible by the data-parallel size 2"):

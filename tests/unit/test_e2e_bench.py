@@ -169,3 +169,42 @@ def test_by_epoch_splits_a_step_by_its_trained_prompts():
     steps = [([0, 0, 0, 0], {"s": 4.0}), ([0, 1, 1, 1], {"s": 8.0}), ([1, 1], {"s": 1.0})]
     out = rep.by_epoch(steps)
     assert out == {0: {"trained": 5.0, "s": 6.0}, 1: {"trained": 5.0, "s": 7.0}}
+
+
+def test_mismatch_bench_sizes_the_gap_per_round_and_pairs_the_arms_by_seed(tmp_path):
+    """bench/e2e/mismatch.py on synthetic runs: per-step metrics read back from metrics.jsonl, the gap's
+    means per round kind and length bucket, long minus short paired by seed, arms paired by seed."""
+    from bench.e2e import mismatch
+
+    def run(arm: str, seed: int, k3: float, reward: float) -> dict:
+        lines = [{"step": 0, "eval/greedy/pass@1": 1.0}]
+        for step in (1, 2, 3, 4, 5):
+            kind = "long" if step == 5 else "short"
+            lines.append({"step": step, "round": kind, "reward_mean": reward, "train/grad_norm": 1.0 + seed,
+                          "train/logprob_mismatch": 0.0, "mismatch/kl_k3": k3 * (2 if kind == "long" else 1),
+                          f"mismatch/{kind}/kl_k3": 0.0, "mismatch/len_0_32/kl_k3": k3,
+                          **{f"mismatch/{g}": 0.0 for g in mismatch.GAP if g != "kl_k3"}})
+        path = tmp_path / f"{arm}-{seed}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        steps = mismatch.per_step(path)
+        assert [s["round"] for s in steps] == ["short"] * 4 + ["long"] and "mismatch/short/kl_k3" not in steps[0]
+        return {"arm": arm, "seed": seed, "steps": steps, "t1_end": reward, "greedy_end": 1.0,
+                "curve": [{"step": 0, "t1_pass@1": 0.3}, {"step": 5, "t1_pass@1": reward}]}
+
+    by_arm = {"bf16": [run("bf16", s, 1e-5 * (1 + s), 0.5) for s in (1, 2, 3)],
+              "bf16_tis": [run("bf16_tis", s, 1e-5 * (1 + s), 0.5 + 0.1 * s) for s in (1, 2, 3)]}
+    gap = mismatch.gap_size(by_arm["bf16"])
+    print(gap["by_round"], gap["long_minus_short_kl_k3"])
+    assert gap["by_round"]["short"]["kl_k3"] == pytest.approx(3e-5) and gap["by_round"]["long"]["kl_k3"] == pytest.approx(6e-5)
+    assert gap["by_length"]["len_0_32"]["kl_k3"] == pytest.approx(3e-5)
+    assert gap["long_minus_short_kl_k3"]["differences"] == pytest.approx([2e-5, 3e-5, 4e-5])
+    cmp = mismatch.compare(by_arm, "bf16")["bf16_tis"]
+    assert cmp["t1_pass@1"]["differences"] == pytest.approx([0.1, 0.2, 0.3])
+    assert cmp["grad_norm_mean"]["differences"] == [0.0, 0.0, 0.0]
+    r = {"command": "python -m bench.e2e.mismatch", "commit": "abc", "date": "2026-11-28T00:00:00+00:00",
+         "machine": "x86_64, 2 cores", "load_average": [1, 1, 1],
+         "gap": {a: mismatch.gap_size(runs) for a, runs in by_arm.items()}, "against_bf16": {"bf16_tis": cmp},
+         "runs": [x for runs in by_arm.values() for x in runs]}
+    text = mismatch.markdown(r)
+    assert "| bf16 | long | " in text and "| bf16_tis − bf16: what the correction changes | +0.200" in text
+    assert "- bf16: 3.00e-05 [" in text and "long rounds' gap larger" in text

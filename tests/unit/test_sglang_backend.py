@@ -247,6 +247,9 @@ def test_gpu_engine_kernels_come_from_the_config_and_its_env_keeps_the_users_val
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32")
     assert "TRITON_F32_DEFAULT" not in gpu_engine_env()
     assert host_env(gpu_engine_env())["TRITON_F32_DEFAULT"] == "tf32"
+    assert "enable_deterministic_inference" not in gpu
+    det = RolloutConfig(backend="sglang", sglang_deterministic_inference=True)
+    assert server_args("/m", det, tp_size=1, local_rank=0, gpu_id=0, engine_id=0)["enable_deterministic_inference"]
 
 
 def test_cpu_engine_env_splits_the_cpus_among_tp_ranks(monkeypatch):
