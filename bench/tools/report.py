@@ -20,6 +20,7 @@ import sys
 from typing import Any, Callable
 
 from bench.e2e import mismatch, stats
+from bench.micro import engine_invariance
 from bench.tools.results import REPO
 
 RESULTS = REPO / "bench" / "results"
@@ -549,7 +550,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {"e2e": e2e, "e2e_rechec
     "rollout_history": rollout_history, "history_sim": history_sim, "e2e_history": e2e_history,
     "sim": sim, "sim_step": sim_step, "cpu_decode_bound": cpu_decode_bound, "stream": stream, "packing": packing, "logprob": logprob, "attention": attention,
     "engine": engine, "reward": reward, "control": control, "mismatch": mismatch.markdown,
-    "mismatch_recheck": mismatch.markdown}
+    "mismatch_recheck": mismatch.markdown, "engine_invariance": engine_invariance.markdown}
 
 
 # blocks drawn from several sources: rendered by a function that reads them itself

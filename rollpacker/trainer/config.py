@@ -5,12 +5,55 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from rollpacker.configlib import ConfigError
-from rollpacker.trainer.mismatch import MismatchConfig
 
 # How the GPU backend computes packed (THD) attention without Transformer Engine; the paths are
 # described in megatron_ext/packed_attention.py, which takes its modes from here.
 PackedAttention = Literal["auto", "varlen", "flex", "per_sequence"]
 PACKED_ATTENTION_MODES: tuple[str, ...] = get_args(PackedAttention)
+
+Correct = Literal["off", "token", "sequence", "geometric"]
+
+
+@dataclass
+class MismatchConfig:
+    """``trainer.mismatch``: what is measured and whether the policy gradient is corrected for it."""
+
+    # off (default, as in veRL and slime) | token | sequence | geometric
+    correct: Correct = "off"
+    mode: Literal["truncate", "mask"] = "truncate"
+    high: float = 2.0  # veRL's rollout_is_threshold and slime's tis_clip / MIS upper bound
+    low: float | None = None  # None: 0 to truncate (an upper cap only), 1/high to mask
+    # response lengths (tokens) that separate the diagnostics' buckets
+    length_buckets: list[int] = field(default_factory=lambda: [512, 2048, 8192])
+
+    @property
+    def lower(self) -> float:
+        """The lower bound of the correction's weights."""
+        if self.low is not None:
+            return self.low
+        return 0.0 if self.mode == "truncate" else 1.0 / self.high
+
+    @property
+    def share_low(self) -> float:
+        """The lower threshold the diagnostics count tokens and responses below."""
+        return self.low if self.low else 1.0 / self.high
+
+    def validate(self) -> None:
+        if self.correct not in ("off", "token", "sequence", "geometric"):
+            raise ConfigError(f"correct must be off, token, sequence or geometric, got {self.correct!r}")
+        if self.mode not in ("truncate", "mask"):
+            raise ConfigError(f"mode must be truncate or mask, got {self.mode!r}")
+        if not self.high > 1:
+            raise ConfigError(f"high must be > 1 (a weight bound above the on-policy 1), got {self.high}")
+        if self.low is not None and not 0 <= self.low < 1:
+            raise ConfigError(f"low must be in [0, 1) (or null for the mode's default), got {self.low}")
+        edges = self.length_buckets
+        if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ConfigError(f"length_buckets must be increasing positive token counts, got {edges}")
+
+    def bucket_names(self) -> list[str]:
+        bounds = [0, *self.length_buckets]
+        return [f"len_{lo}_{hi}" for lo, hi in zip(bounds, self.length_buckets)] + [f"len_{bounds[-1]}_up"]
 
 
 @dataclass
@@ -89,7 +132,7 @@ class TrainerConfig:
             raise ConfigError("need 0 < stream_trigger_low <= stream_trigger_high < 1")
         if self.mismatch.correct != "off" and self.old_logprobs == "engine":
             raise ConfigError(
-                f"trainer.mismatch.correct={self.mismatch.correct} weights each token by pi_train / pi_rollout, "
+                f"mismatch.correct={self.mismatch.correct} weights each token by pi_train / pi_rollout, "
                 "which needs the trainer's own log-probs as the old policy; with old_logprobs=engine the PPO "
                 "ratio is already taken against the engine's (pi / pi_rollout). Set old_logprobs=recompute, or "
                 "mismatch.correct=off")

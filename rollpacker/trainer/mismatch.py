@@ -34,15 +34,13 @@ statistics are counted on the rank that holds its first token.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from rollpacker.configlib import ConfigError
+from rollpacker.trainer.config import MismatchConfig
 from rollpacker.trainer.grpo import LOG_RATIO_BOUND  # veRL's rollout_corr_helper.py SAFETY_BOUND too
-
-Correct = Literal["off", "token", "sequence", "geometric"]
 
 # The additive statistics of one response-length bucket, in the order of the diagnostics matrix's columns.
 STATS = ("tokens", "k1", "k3", "r2", "tokens_above", "tokens_below",
@@ -52,48 +50,6 @@ _COL = {name: i for i, name in enumerate(STATS)}
 
 # Columns of a micro-batch's per-response sums.
 _RESPONSE, _HAVE, _LOG_R, _TRAIN, _ROLLOUT = range(5)
-
-
-@dataclass
-class MismatchConfig:
-    """``trainer.mismatch``: what is measured and whether the policy gradient is corrected for it."""
-
-    # off (default, as in veRL and slime) | token | sequence | geometric
-    correct: Correct = "off"
-    mode: Literal["truncate", "mask"] = "truncate"
-    high: float = 2.0  # veRL's rollout_is_threshold and slime's tis_clip / MIS upper bound
-    low: float | None = None  # None: 0 to truncate (an upper cap only), 1/high to mask
-    # response lengths (tokens) that separate the diagnostics' buckets
-    length_buckets: list[int] = field(default_factory=lambda: [512, 2048, 8192])
-
-    @property
-    def lower(self) -> float:
-        """The lower bound of the correction's weights."""
-        if self.low is not None:
-            return self.low
-        return 0.0 if self.mode == "truncate" else 1.0 / self.high
-
-    @property
-    def share_low(self) -> float:
-        """The lower threshold the diagnostics count tokens and responses below."""
-        return self.low if self.low else 1.0 / self.high
-
-    def validate(self) -> None:
-        if self.correct not in ("off", "token", "sequence", "geometric"):
-            raise ConfigError(f"mismatch.correct must be off, token, sequence or geometric, got {self.correct!r}")
-        if self.mode not in ("truncate", "mask"):
-            raise ConfigError(f"mismatch.mode must be truncate or mask, got {self.mode!r}")
-        if not self.high > 1:
-            raise ConfigError(f"mismatch.high must be > 1 (a weight bound above the on-policy 1), got {self.high}")
-        if self.low is not None and not 0 <= self.low < 1:
-            raise ConfigError(f"mismatch.low must be in [0, 1) (or null for the mode's default), got {self.low}")
-        edges = self.length_buckets
-        if any(e < 1 for e in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
-            raise ConfigError(f"mismatch.length_buckets must be increasing positive token counts, got {edges}")
-
-    def bucket_names(self) -> list[str]:
-        bounds = [0, *self.length_buckets]
-        return [f"len_{lo}_{hi}" for lo, hi in zip(bounds, self.length_buckets)] + [f"len_{bounds[-1]}_up"]
 
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]

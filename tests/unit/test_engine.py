@@ -308,3 +308,20 @@ def test_running_cap_and_prefill_chunks_do_not_change_outputs(random_dir):
         got.update((c.request_id, c) for c in capped.poll(0.0))
         assert capped.stats().running <= 2
     assert {k: c.output_ids for k, c in got.items()} == {k: c.output_ids for k, c in free.items()}
+
+
+def test_the_batch_invariance_bench_counts_differing_responses_and_where_they_part():
+    """bench/micro/engine_invariance.py's comparison on hand-made completions (the bench itself serves
+    the shipped policy: docs/results.md)."""
+    from bench.micro.engine_invariance import compare
+
+    def c(rid, ids, lps):
+        return Completion(rid, ids, lps, "stop", 0.0, 0.0)
+
+    ref = {"a": c("a", [1, 2, 3], [-0.1, -0.2, -0.3]), "b": c("b", [4, 5], [-1.0, -1.0])}
+    same = {"a": c("a", [1, 2, 3], [-0.1, -0.2, -0.30001]), "b": c("b", [4, 5], [-1.0, -1.0])}
+    parted = {"a": c("a", [1, 9, 3], [-0.1, -0.2, -0.3]), "b": c("b", [4, 5, 6], [-1.0, -1.0, -2.0])}
+    assert compare(ref, same) == {"responses": 2, "tokens": 5, "responses_differing": 0, "first_difference_at": [],
+                                  "logprob_max_abs_diff_where_equal": pytest.approx(1e-5)}
+    got = compare(ref, parted)
+    assert got["responses_differing"] == 2 and got["first_difference_at"] == [1, 2]  # a at 1; b runs on past 2

@@ -10,10 +10,11 @@ from functools import partial
 import pytest
 import torch
 
+from rollpacker.config import load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.trainer import mismatch
-from rollpacker.trainer.config import TrainerConfig
-from rollpacker.trainer.mismatch import MismatchConfig
+from rollpacker.trainer.config import MismatchConfig, TrainerConfig
+from testkit import REPO_ROOT
 
 # Two responses, then one padding position (no loss, no engine log-prob).
 TRAIN = [-1.0, -2.0, -0.5, -0.1, -3.0, -7.0]
@@ -161,3 +162,5 @@ def test_bad_settings_are_refused():
             MismatchConfig(**bad).validate()
     with pytest.raises(ConfigError, match="old_logprobs=recompute"):
         TrainerConfig(old_logprobs="engine", mismatch=MismatchConfig(correct="token")).validate()
+    with pytest.raises(ConfigError, match=r"tiny-cpu.yaml: trainer.mismatch.high must be > 1"):  # key and file named once
+        load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", ["trainer.mismatch.high=0.5"])

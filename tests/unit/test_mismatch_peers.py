@@ -12,9 +12,8 @@ import torch
 
 from rollpacker.trainer import mismatch
 from rollpacker.trainer.backend import policy_loss
-from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer.config import MismatchConfig, TrainerConfig
 from rollpacker.trainer.grpo import denominator
-from rollpacker.trainer.mismatch import MismatchConfig
 from rollpacker.trainer.packing import MicroBatch
 from tests.peers import slime, verl
 

@@ -17,8 +17,7 @@ import torch
 from megatron_ext.parallel import setup_layout, teardown_layout
 from testkit import make_random_qwen2
 from rollpacker.trainer.backend import logprobs_only, micro_batch_loss
-from rollpacker.trainer.config import TrainerConfig
-from rollpacker.trainer.mismatch import MismatchConfig
+from rollpacker.trainer.config import MismatchConfig, TrainerConfig
 from rollpacker.trainer.packing import build_micro_batch, pack, sequence_length
 from rollpacker.trainer.stream import with_advantages
 from rollpacker.trainer.trainer import Trainer
