@@ -161,8 +161,9 @@ def policy_loss(mb: MicroBatch, logprobs: torch.Tensor, entropy: torch.Tensor | 
     sums = grpo_token_loss(
         logprobs, advantages=mb.advantages, loss_mask=loss_mask, weights=weights,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, old_logprobs=old,
-        ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
-        sequence_starts=starts, is_weights=is_weights)
+        ref_logprobs=mb.ref_logprobs, kl_coef=cfg.kl_coef, entropy=entropy, sequence_starts=starts,
+        is_weights=is_weights)
+    sums.logprob_mismatch, sums.logprob_mismatch_max, sums.mismatch_tokens = mismatch.sync_check(gap)
     sums.mismatch = mismatch.diagnostics(gap, cfg.mismatch)
     return sums.objective, sums.detached()
 

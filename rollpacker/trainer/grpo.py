@@ -140,7 +140,6 @@ def grpo_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
     sequence_starts: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> LossSums:
@@ -156,9 +155,9 @@ def grpo_token_loss(
     that capped at ``-A * clip_ratio_c`` (dual clip: a huge ratio on a bad token no longer
     dominates, and the capped token has no gradient). Plus ``kl_coef * k3(logp, ref)``.
     ``is_weights`` (detached; the mismatch correction's) multiplies the policy-gradient term after
-    the clip, as veRL's and slime's do. ``rollout_logprobs`` (NaN where missing) only feeds the
-    log-prob mismatch metric. ``sequence_starts`` marks one token per sequence (its first response
-    token), to count sequences.
+    the clip, as veRL's and slime's do. ``sequence_starts`` marks one token per sequence (its first
+    response token), to count sequences. The engine-trainer gap's fields (``logprob_mismatch*``,
+    ``mismatch_tokens``, ``mismatch``) are the caller's to fill (``mismatch.py``).
     """
     mask = loss_mask.to(logprobs.dtype)
     old = logprobs.detach() if old_logprobs is None else old_logprobs.to(logprobs.dtype)
@@ -174,7 +173,6 @@ def grpo_token_loss(
         per_token = torch.where(dual, cap, per_token)
     if is_weights is not None:
         per_token = per_token * is_weights.reshape(per_token.shape).to(per_token.dtype)
-        sums_is_weight = (is_weights.reshape(mask.shape).to(torch.float64) * mask).sum()
     pg_sum = (per_token * mask).sum()
     kl_tok = torch.zeros_like(per_token)
     if kl_coef > 0.0:
@@ -192,14 +190,8 @@ def grpo_token_loss(
         sums.entropy = (entropy.detach() * mask).sum().double()
     sums.clipped = ((clipped.detach() > unclipped.detach()).to(mask.dtype) * mask).sum().double()
     sums.dual_clipped = (dual.to(mask.dtype) * mask).sum().double()
-    if rollout_logprobs is not None:
-        have = mask * (~torch.isnan(rollout_logprobs)).to(mask.dtype)
-        diff = torch.nan_to_num((logprobs.detach() - rollout_logprobs.to(logprobs.dtype)).abs(), nan=0.0)
-        sums.logprob_mismatch = (diff * have).sum().double()
-        sums.logprob_mismatch_max = (diff * have).max().double() if diff.numel() else sums.logprob_mismatch_max
-        sums.mismatch_tokens = have.sum().double()
     sums.tokens = mask.sum().double()
-    sums.is_weight = sums_is_weight if is_weights is not None else sums.tokens
+    sums.is_weight = sums.tokens if is_weights is None else (is_weights.reshape(mask.shape).double() * mask).sum()
     if sequence_starts is not None:
         sums.sequences = sequence_starts.to(torch.float64).sum()
     return sums

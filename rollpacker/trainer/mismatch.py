@@ -135,6 +135,13 @@ def kept_responses(gap: Gap, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return kept_len[gap.seq], gap.starts * (kept_len > 0).to(torch.float64)[gap.seq]
 
 
+def sync_check(gap: Gap) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum, largest, count) of ``|logp - rollout|`` over every response token with an engine log-prob,
+    rejected by a correction or not: the weight-sync check (``train/logprob_mismatch``, ``_max``)."""
+    diff = gap.diff.abs()
+    return diff.sum(), diff.max() if diff.numel() else diff.new_zeros(()), gap.have.sum()
+
+
 def diagnostics(gap: Gap, cfg: MismatchConfig) -> torch.Tensor:
     """The additive statistics (``STATS``) of this shard per response-length bucket: [buckets, len(STATS)]."""
     edges = torch.tensor(cfg.length_buckets, dtype=torch.float64, device=gap.per_seq.device)

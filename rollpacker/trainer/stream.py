@@ -220,7 +220,8 @@ class StreamTrainer:
         result = self.backend.step() if loss_finite else None
         applied = result is not None and result.applied
         metrics = step_metrics(global_sums, self.cfg.loss_aggregation)
-        metrics.update({f"mismatch/{k}": v for k, v in mismatch.metrics(global_sums.mismatch, self.cfg.mismatch).items()})
+        gap = mismatch.metrics(global_sums.mismatch, self.cfg.mismatch)
+        metrics.update({f"mismatch/{k}": v for k, v in gap.items()})
         if self.cfg.mismatch.correct != "off":
             metrics["mismatch/kept_token_frac"] = float(global_sums.tokens) / total["resp_tokens"]
             metrics["mismatch/is_weight_mean"] = float(global_sums.is_weight) / max(float(global_sums.tokens), 1.0)

@@ -8,6 +8,7 @@ import torch
 
 from rollpacker.configlib import ConfigError, build
 from rollpacker.trainer.config import TrainerConfig
+from rollpacker.trainer import mismatch
 from rollpacker.trainer.grpo import (LossSums, denominator, group_advantages, grpo_token_loss, k3_kl, step_metrics,
                                      token_weights)
 
@@ -105,11 +106,21 @@ def test_sums_split_anywhere_then_normalised_globally(aggregation):
     assert step_metrics(roundtrip, aggregation) == pytest.approx(step_metrics(whole, aggregation), nan_ok=True)
 
 
+def _with_sync_check(logp: torch.Tensor, rollout: torch.Tensor) -> LossSums:
+    """One sequence's loss sums with the weight-sync check filled as the trainer fills it (mismatch.py)."""
+    n = logp.numel()
+    sums = grpo_token_loss(logp, advantages=torch.ones(n), loss_mask=torch.ones(n), weights=torch.ones(n),
+                           clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+    gap = mismatch.measure(logp, rollout.double(), loss_mask=torch.ones(n), sequence_starts=torch.eye(1, n)[0],
+                           sequence_index=torch.zeros(n, dtype=torch.long), num_sequences=1)
+    sums.logprob_mismatch, sums.logprob_mismatch_max, sums.mismatch_tokens = mismatch.sync_check(gap)
+    return sums
+
+
 def test_mismatch_metric_ignores_missing_engine_logprobs():
     logp = torch.tensor([-1.0, -2.0, -3.0])
     rollout = torch.tensor([-1.5, float("nan"), -2.0])
-    sums = grpo_token_loss(logp, advantages=torch.ones(3), loss_mask=torch.ones(3), weights=torch.ones(3),
-                           clip_low=CLIP_LOW, clip_high=CLIP_HIGH, rollout_logprobs=rollout)
+    sums = _with_sync_check(logp, rollout)
     metrics = step_metrics(sums.detached(), "token_mean")
     assert metrics["logprob_mismatch"] == pytest.approx(0.75)
     assert metrics["logprob_mismatch_max"] == pytest.approx(1.0)  # the third token's, not the missing one's
@@ -118,9 +129,7 @@ def test_mismatch_metric_ignores_missing_engine_logprobs():
 def test_mismatch_maximum_survives_summing_micro_batches():
     """The sync check asserts the largest per-token gap: adding micro-batches keeps the maximum."""
     def part(logp, rollout):
-        return grpo_token_loss(torch.tensor(logp), advantages=torch.ones(2), loss_mask=torch.ones(2),
-                               weights=torch.ones(2), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
-                               rollout_logprobs=torch.tensor(rollout)).detached()
+        return _with_sync_check(torch.tensor(logp), torch.tensor(rollout)).detached()
 
     total = part([-1.0, -2.0], [-1.0, -2.5]) + part([-1.0, -1.0], [-1.1, -1.0])
     sums, maxima = total.as_vectors()

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from rollpacker.trainer import mismatch
 from rollpacker.trainer.grpo import grpo_token_loss
 from rollpacker.trainer.packing import (MICRO_BATCH_OVERHEAD_TOKENS, balance, build_micro_batch, pack,
                                        plan_micro_batches, sequence_length)
@@ -118,9 +119,13 @@ def test_padded_and_thd_layouts_have_identical_numerics():
 
     def loss(mb):  # a stand-in "model": log-prob that depends on token, label and position
         logp = -(mb.input_ids * 7 + mb.labels * 3 + mb.position_ids).remainder(11).double() / 5 - 0.1
-        return grpo_token_loss(logp, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
+        sums = grpo_token_loss(logp, advantages=mb.advantages, loss_mask=mb.loss_mask, weights=mb.weights,
                                clip_low=0.2, clip_high=0.28, old_logprobs=logp.detach() - 0.3 * mb.advantages,
-                               rollout_logprobs=mb.rollout_logprobs, sequence_starts=mb.sequence_starts)
+                               sequence_starts=mb.sequence_starts)
+        gap = mismatch.measure(logp, mb.rollout_logprobs, loss_mask=mb.loss_mask, sequence_index=mb.sequence_index,
+                               sequence_starts=mb.sequence_starts, num_sequences=mb.num_sequences)
+        sums.logprob_mismatch, sums.logprob_mismatch_max, sums.mismatch_tokens = mismatch.sync_check(gap)
+        return sums
 
     a, b = loss(padded), loss(thd)
     assert all(torch.allclose(x, y, rtol=1e-12, atol=1e-12) for x, y in zip(a.as_vectors(), b.as_vectors()))

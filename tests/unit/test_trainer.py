@@ -289,6 +289,8 @@ def test_a_step_with_every_token_rejected_is_skipped(layout, model_dir):
     before = params(trainer)
     m = trainer.train_step(groups)
     assert m["skipped"] == 1 and m["tokens"] == 0 and m["mismatch/kept_token_frac"] == 0
+    # the weight-sync check still sees the rejected tokens: a missed sync cannot hide behind a correction
+    assert m["logprob_mismatch"] == pytest.approx(3.0) and m["logprob_mismatch_max"] == pytest.approx(3.0)
     assert all(torch.equal(a, b) for a, b in zip(params(trainer), before))
 
 
