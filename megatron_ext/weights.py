@@ -25,7 +25,7 @@ import shutil
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -206,6 +206,52 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path) -> None:
                 raise ValueError(f"{hf_dir}: {b.hf_names} gives a shard of shape {tuple(shard.shape)} "
                                  f"for a parameter of shape {tuple(b.param.shape)}")
             b.param.copy_(shard)
+
+
+class HFLoader:
+    """Loads a TP=1 model from full HF tensors arriving in any grouping (a weight sync's buckets).
+
+    A parameter fused from several HF tensors (q/k/v, gate/up) is written once all of them have
+    arrived; until then the ones seen are held here.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = unwrap(model)
+        if self.model.pg_collection.tp.size() != 1:
+            raise ValueError("HFLoader loads an unsharded (TP=1) model")
+        self._bindings = _bindings(self.model)
+        # at TP=1 and one stage each HF tensor feeds exactly one parameter (tied: the output layer has none)
+        self._of_name = {n: b for b in self._bindings for n in b.hf_names}
+        self._held: dict[str, torch.Tensor] = {}
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._of_name)
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Take these tensors; returns the HF names whose parameters are now fully written."""
+        done: set[str] = set()
+        for name, tensor in named_tensors:
+            if name not in self._of_name:
+                raise KeyError(f"unknown {self.model.hf_spec.model_type} weight name {name!r}")
+            self._held[name] = tensor.detach().clone()  # a sync may reuse its bucket buffers
+            b = self._of_name[name]
+            if all(n in self._held for n in b.hf_names):
+                shard = _shard(b, [self._held.pop(n) for n in b.hf_names], self.model.hf_spec, 0, 1)
+                b.param.copy_(shard.to(b.param.dtype))
+                done.update(b.hf_names)
+        return done
+
+    @torch.no_grad()
+    def max_diff(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """The largest |model - given| over the given HF tensors."""
+        full = {n: t for b in self._bindings if b.export
+                for n, t in zip(b.hf_names, _unshard(b, [b.param.detach()], self.model.hf_spec))}
+        worst = 0.0
+        for name, tensor in named_tensors:
+            worst = max(worst, (full[name].float() - tensor.float()).abs().max().item())
+        return worst
 
 
 def _gather_tp(b: _Binding, group: dist.ProcessGroup, spec: ModelSpec) -> list[torch.Tensor]:

@@ -75,6 +75,16 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     source: str = ""  # the file it was read from, for messages
 
+    @property
+    def longest_sequence(self) -> int:
+        """Prompt + response tokens of the longest sequence the run can make."""
+        return self.data.max_prompt_length + self.rollout.max_response_length
+
+    @property
+    def matched_window(self) -> int | None:
+        """The fixed row width rollout.match_trainer makes the engine and the trainer compute at."""
+        return self.longest_sequence if self.rollout.match_trainer else None
+
     def resolve(self, relative_to: Path) -> "Config":
         """Make model and data paths absolute relative to the repository root."""
         def fix(p: str) -> str:
@@ -125,6 +135,11 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
         if world_size % tp:
             raise ConfigError(f"{src}: rollout TP {tp} (rollout.tp / scheduler.planner.*_tp) does not divide "
                               f"the world size {world_size}")
+    if cfg.rollout.match_trainer and (rollout_tps != {1} or (t.tp, t.pp, t.cp) != (1, 1, 1)):
+        raise ConfigError(
+            f"{src}: rollout.match_trainer reproduces the trainer's unsharded forward in one engine per rank: "
+            f"it needs rollout TP 1 in every round (got {sorted(rollout_tps)} from rollout.tp / "
+            f"scheduler.planner) and trainer.tp=pp=cp=1 (got {t.tp}/{t.pp}/{t.cp})")
     hf = Path(cfg.model.path) / "config.json"
     if not hf.is_file():
         if require_files:

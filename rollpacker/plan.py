@@ -334,7 +334,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
     if world_size % model_parallel:
         raise ConfigError(f"{src}: trainer.tp*pp*cp = {model_parallel} does not divide the world size {world_size}")
     dp = world_size // model_parallel
-    longest = cfg.data.max_prompt_length + ro.max_response_length
+    longest = cfg.longest_sequence
     # the packer gives a sequence longer than the budget a micro-batch of its own (packing.pack)
     tokens = math.ceil(max(t.micro_batch_tokens, longest) / t.cp)
 

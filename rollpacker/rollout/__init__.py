@@ -15,14 +15,22 @@ _SGLANG_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.ProcessGroup | None = None,
-                engine_id: int = 0, device: str = "cpu", sglang_host: Callable | None = None) -> RolloutEngine:
+                engine_id: int = 0, device: str = "cpu", sglang_host: Callable | None = None,
+                window: int | None = None) -> RolloutEngine:
     """Build the engine ``cfg.backend`` names, on every rank of ``group`` (None: this rank alone).
+
+    ``window``: the run's longest sequence (prompt + response), which ``cfg.match_trainer`` computes at.
 
     ``sglang_host``: what runs the SGLang engine's driver (``SGLangEngine``'s ``host``); sglang
     itself is imported only by the engine's host process.
     """
     engine: RolloutEngine
-    if cfg.backend == "reference":
+    if cfg.match_trainer:
+        if group is not None and group.size() > 1 or window is None:
+            raise ValueError("rollout.match_trainer runs one engine per rank (rollout TP 1) at a given window")
+        from rollpacker.rollout.matched import MatchedEngine
+        engine = MatchedEngine(model_dir, cfg, window=window, engine_id=engine_id, device=device)
+    elif cfg.backend == "reference":
         import torch
 
         from rollpacker.rollout.reference import ReferenceEngine

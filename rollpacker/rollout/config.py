@@ -69,6 +69,10 @@ class RolloutConfig:
     # not depend on what else shares its batch (a part of the engine-trainer gap, not all of it:
     # docs/mismatch.md). sglang accepts it with the triton, fa3, fa4 and flashinfer attention backends.
     sglang_deterministic_inference: bool = False
+    # the reference engine computes with the trainer's own Megatron forward at a fixed window
+    # (data.max_prompt_length + max_response_length), so its log-probs equal the CPU trainer's bit for
+    # bit (rollpacker/rollout/matched.py); no KV cache, so every decode step costs a whole window
+    match_trainer: bool = False
     # each response as long as a trace says, stop tokens ignored: a timing tool (rollpacker.rollout.replay)
     length_replay: ReplayConfig = field(default_factory=ReplayConfig)
 
@@ -100,4 +104,8 @@ class RolloutConfig:
                 raise ConfigError(f"{key} must name a backend, or be null or auto for sglang's own choice")
         if self.drain_timeout_s <= 0:
             raise ConfigError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s}")
+        if self.match_trainer and (self.backend != "reference" or self.dtype == "bf16"):
+            raise ConfigError(f"match_trainer computes with the trainer's fp32 Megatron model inside the reference "
+                              f"engine; got backend={self.backend!r}, dtype={self.dtype!r}: set "
+                              "rollout.backend=reference and rollout.dtype=auto (or fp32), or match_trainer=false")
         self.length_replay.validate()

@@ -130,6 +130,28 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+def request_problem(r: GenerationRequest, active: set[str], vocab_size: int) -> str | None:
+    """What makes ``r`` unservable by any in-process engine (None: nothing); ``active``: ids in flight."""
+    try:
+        r.params.validate()
+    except RequestError as exc:
+        return str(exc)
+    p = r.params
+    if r.request_id in active:
+        return "a request with this id is already in flight"
+    if not r.input_ids:
+        return "empty prompt"
+    if min(r.input_ids) < 0 or max(r.input_ids) >= vocab_size:
+        return f"prompt token ids must be in [0, {vocab_size})"
+    if len(r.resume_ids) != len(r.resume_logprobs) or len(r.resume_ids) >= p.max_new_tokens:
+        return (f"resumes {len(r.resume_ids)} tokens with {len(r.resume_logprobs)} log-probs; need equal "
+                f"counts below max_new_tokens ({p.max_new_tokens})")
+    bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"stop token ids {bad} are outside the vocabulary [0, {vocab_size})"
+    return None
+
+
 class RolloutEngine(abc.ABC):
     """One rollout engine (possibly spanning a tensor-parallel group of ranks).
 

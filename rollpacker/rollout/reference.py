@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -39,22 +38,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import (FINISH_EVICTED, FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
-                                       GenerationRequest, RequestError, RolloutEngine)
+from rollpacker.rollout.engine import (FINISH_LENGTH, FINISH_STOP, MEMORY_TAGS, Completion, EngineStats,
+                                       GenerationRequest, request_problem)
 from rollpacker.hf_spec import ModelSpec, parse_spec
+from rollpacker.rollout.inprocess import InProcessEngine, QueuedRequest, check_tags
 from rollpacker.rollout.qwen_torch import ForwardPlan, QwenTP, iter_safetensors
-from rollpacker.rollout.sampling import draw_uniforms, sample
+from rollpacker.rollout.sampling import sample
 
 ModelSource = str | Path | tuple[dict | ModelSpec, Mapping[str, torch.Tensor]]
-
-
-@dataclass
-class _Request:
-    req: GenerationRequest
-    uniforms: torch.Tensor  # one per token it may generate (empty when greedy)
-    submitted_at: float
-    output_ids: list[int] = field(default_factory=list)  # kept across a preemption
-    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -99,7 +90,7 @@ def _padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) ->
     return out
 
 
-class ReferenceEngine(RolloutEngine):
+class ReferenceEngine(InProcessEngine):
     """Continuous-batching Qwen2/Qwen3 engine over a paged KV budget, optionally tensor-parallel.
 
     ``model``: an HF Qwen2 or Qwen3 directory (``config.json`` + ``*.safetensors``), or a pair
@@ -133,51 +124,12 @@ class ReferenceEngine(RolloutEngine):
         self.num_pages = math.ceil(cfg.kv_cache_tokens / self.page_size)
         self.kv = self.model.new_kv(self.num_pages, self.page_size)
         self._free_pages = list(range(self.num_pages - 1, -1, -1))
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._init_queues(cfg.seed, engine_id)
         self._rows: _Rows | None = None
-        self._done: list[Completion] = []
         self._missing_weights: set[str] = set()
-        self._seeds = random.Random(cfg.seed * 1_000_003 + engine_id)
         self._stats = EngineStats(kv_tokens_capacity=self.num_pages * self.page_size)
 
     # ---- interface -----------------------------------------------------------------------------
-    def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        self._require_leader()
-        active = set(self.active_request_ids())
-        errors, refused = [], []
-        for r in requests:
-            problem = self._problem(r, active)
-            if problem:
-                errors.append(f"request {r.request_id!r}: {problem}")
-                refused.append(r.request_id)
-                continue
-            active.add(r.request_id)
-            p = r.params
-            seed = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            uniforms = draw_uniforms(seed, p.max_new_tokens) if p.temperature > 0 else torch.zeros(0)
-            # a resumed request re-enters exactly like one back from preemption: its tokens are recomputed
-            self._waiting.append(_Request(r, uniforms, time.monotonic(), output_ids=list(r.resume_ids),
-                                          logprobs=list(r.resume_logprobs)))
-        if errors:
-            raise RequestError("; ".join(errors), refused)
-
-    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
-        """Run steps until something finished, ``timeout`` passed (0: one step) or nothing is left."""
-        self._require_leader()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._running or self._waiting:
-            if self._missing_weights:
-                raise RuntimeError(f"engine {self.engine_id}: weights were released; update_weights must "
-                                   f"provide all of them before serving ({len(self._missing_weights)} missing)")
-            if self.kv is None:
-                raise RuntimeError(f"engine {self.engine_id}: KV cache released; call resume_memory first")
-            self._step()
-            if self._done or (deadline is not None and time.monotonic() >= deadline):
-                break
-        done, self._done = self._done, []
-        return done
-
     def abort(self, request_ids: Iterable[str]) -> None:
         self._require_leader()
         ids = set(request_ids)
@@ -192,19 +144,12 @@ class ReferenceEngine(RolloutEngine):
     def evict(self, request_ids: Iterable[str]) -> list[Completion]:
         self._require_leader()
         ids = set(request_ids)
-        handed = [c for c in self._done if c.request_id in ids]
         for i, r in enumerate(self._running):
             if r.req.request_id in ids:
                 self._snapshot(i)
-        held = [r for r in [*self._running, *self._waiting] if r.req.request_id in ids]
+        answer = self._evicted(ids)
         self.abort(ids)
-        now = time.monotonic()
-        return handed + [Completion(r.req.request_id, r.output_ids, r.logprobs, FINISH_EVICTED, r.submitted_at, now,
-                                    self.engine_id) for r in held]
-
-    def active_request_ids(self) -> list[str]:
-        return ([r.req.request_id for r in self._running] + [r.req.request_id for r in self._waiting]
-                + [c.request_id for c in self._done])
+        return answer
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank of the group: load full HF tensors in place, each rank keeping its shard."""
@@ -227,13 +172,13 @@ class ReferenceEngine(RolloutEngine):
         if self._running or self._waiting:
             raise RuntimeError(f"engine {self.engine_id}: release_memory needs an idle engine "
                                f"({len(self._running)} running, {len(self._waiting)} waiting)")
-        self._check_tags(tags)
+        check_tags(tags)
         self._release(tags)
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Every rank of the group: re-allocate; after ``weights`` the engine serves only once
         ``update_weights`` refilled them."""
-        self._check_tags(tags)
+        check_tags(tags)
         self._resume(tags)
         if "weights" in tags:
             self._missing_weights = set(self.model.hf_names())
@@ -271,41 +216,29 @@ class ReferenceEngine(RolloutEngine):
                 raise RuntimeError(f"unknown command {cmd!r} from the leader")
 
     # ---- validation and memory -----------------------------------------------------------------
+    def _check_serving(self) -> None:
+        if self._missing_weights:
+            raise RuntimeError(f"engine {self.engine_id}: weights were released; update_weights must "
+                               f"provide all of them before serving ({len(self._missing_weights)} missing)")
+        if self.kv is None:
+            raise RuntimeError(f"engine {self.engine_id}: KV cache released; call resume_memory first")
+
     def _require_leader(self) -> None:
         if not self.is_leader:
             raise RuntimeError("engine methods are called on the TP group's leader; followers run serve_follower()")
 
     def _problem(self, r: GenerationRequest, active: set[str]) -> str | None:
-        try:
-            r.params.validate()
-        except RequestError as exc:
-            return str(exc)
-        n, p, vocab = len(r.input_ids), r.params, self.spec.vocab_size
-        if r.request_id in active:
-            return "a request with this id is already in flight"
-        if n == 0:
-            return "empty prompt"
-        if min(r.input_ids) < 0 or max(r.input_ids) >= vocab:
-            return f"prompt token ids must be in [0, {vocab})"
-        if len(r.resume_ids) != len(r.resume_logprobs) or len(r.resume_ids) >= p.max_new_tokens:
-            return (f"resumes {len(r.resume_ids)} tokens with {len(r.resume_logprobs)} log-probs; need equal "
-                    f"counts below max_new_tokens ({p.max_new_tokens})")
+        problem = request_problem(r, active, self.spec.vocab_size)
+        if problem:
+            return problem
+        n, p = len(r.input_ids), r.params
         if n + p.max_new_tokens > self.spec.max_position_embeddings:
             return (f"prompt ({n}) + max_new_tokens ({p.max_new_tokens}) exceeds the context "
                     f"{self.spec.max_position_embeddings}")
         if math.ceil((n + p.max_new_tokens) / self.page_size) > self.num_pages:
             return (f"prompt + max_new_tokens ({n + p.max_new_tokens}) exceeds the KV budget "
                     f"{self.num_pages * self.page_size} tokens (rollout.kv_cache_tokens)")
-        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"stop token ids {bad} are outside the vocabulary [0, {vocab})"
         return None
-
-    @staticmethod
-    def _check_tags(tags: Sequence[str]) -> None:
-        unknown = set(tags) - set(MEMORY_TAGS)
-        if unknown:
-            raise ValueError(f"unknown memory tags {sorted(unknown)}; valid: {MEMORY_TAGS}")
 
     def _release(self, tags: Sequence[str]) -> None:
         if "kv_cache" in tags:
@@ -403,7 +336,7 @@ class ReferenceEngine(RolloutEngine):
 
     def _admit(self) -> None:
         """Admit waiting requests FIFO while their pages fit, and prefill them in one forward."""
-        admitted: list[tuple[_Request, list[int]]] = []
+        admitted: list[tuple[QueuedRequest, list[int]]] = []
         longest = 0
         while self._waiting and len(self._running) + len(admitted) < self.cfg.max_running_requests:
             r = self._waiting[0]

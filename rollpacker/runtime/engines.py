@@ -24,14 +24,16 @@ from rollpacker.runtime.world import RolloutLayout, World
 
 
 class EngineSets:
-    def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, tp_sizes: list[int]):
-        """Collective: build this rank's engine of every TP size, then release them all."""
+    def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, tp_sizes: list[int], *,
+                 window: int | None = None):
+        """Collective: build this rank's engine of every TP size, then release them all. ``window``: the
+        fixed width ``rollout.match_trainer`` computes at."""
         self.world = world
         self.engines: dict[int, RolloutEngine] = {}
         for tp in sorted(set(tp_sizes)):
             layout = world.rollout[tp]
             self.engines[tp] = make_engine(cfg, model_dir, group=layout.group, engine_id=layout.engine_id,
-                                           device=str(world.device))
+                                           device=str(world.device), window=window)
             self.engines[tp].release_memory(list(MEMORY_TAGS))
         self.tp = min(self.engines)
 

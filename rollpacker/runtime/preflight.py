@@ -125,6 +125,10 @@ def check_backends(cfg: Config) -> None:
         raise ConfigError(f"{src}: rollout.sglang_deterministic_inference=true needs one of sglang's GPU attention "
                           "backends (triton, fa3, fa4, flashinfer); an engine on CPU runs torch_native, which sglang "
                           "refuses for deterministic inference. Set it to false on CPU")
+    if torch.cuda.is_available() and cfg.rollout.match_trainer:
+        raise ConfigError(f"{src}: rollout.match_trainer reproduces the CPU trainer's fixed-width forward; the GPU "
+                          "trainer packs sequences with Transformer Engine kernels, which no engine reproduces "
+                          "(docs/mismatch.md). Set it to false on a GPU")
 
 
 def check_data(cfg: Config, tokenizer) -> None:

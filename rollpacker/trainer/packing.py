@@ -185,9 +185,9 @@ def check_trainable(sample: Sample) -> None:
 
 
 def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, layout: Layout,
-                      pad_multiple: int = 1) -> MicroBatch:
+                      pad_multiple: int = 1, row_width: int | None = None) -> MicroBatch:
     """Lay out ``samples`` as one micro-batch. ``pad_multiple`` (thd) rounds each sequence up,
-    as context/sequence parallelism require."""
+    as context/sequence parallelism require; ``row_width`` (padded) fixes the rows' width."""
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
     for s in samples:
@@ -196,7 +196,9 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
     rows = [_sequence_rows(s, w, i) for i, (s, w) in enumerate(zip(samples, weights))]
     lengths = [len(r["input_ids"]) for r in rows]
     if layout == "padded":
-        width = max(lengths)
+        width = max(lengths) if row_width is None else row_width
+        if width < max(lengths):
+            raise ValueError(f"a sequence of {max(lengths)} tokens does not fit rows of {row_width}")
         cols = {k: torch.tensor([r[k] + [_PAD.get(k, 0)] * (width - len(r[k])) for r in rows], dtype=dt)
                 for k, dt in _DTYPES.items()}
         return MicroBatch(**cols, layout=layout, cu_seqlens=None, cu_seqlens_unpadded=None,
@@ -218,8 +220,10 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
 
 
 def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,
-                       pad_multiple: int = 1) -> list[MicroBatch]:
-    """Pack ``samples`` into micro-batches that each cost at most ``budget`` tokens in ``layout``."""
-    groups = pack([sequence_length(s) for s in samples], budget, layout)
+                       pad_multiple: int = 1, row_width: int | None = None) -> list[MicroBatch]:
+    """Pack ``samples`` into micro-batches that each cost at most ``budget`` tokens in ``layout``
+    (rows of ``row_width`` cost that much each)."""
+    lengths = [sequence_length(s) if row_width is None else row_width for s in samples]
+    groups = pack(lengths, budget, layout)
     return [build_micro_batch([samples[i] for i in g], aggregation=aggregation, layout=layout,
-                              pad_multiple=pad_multiple) for g in groups]
+                              pad_multiple=pad_multiple, row_width=row_width) for g in groups]

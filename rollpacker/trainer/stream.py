@@ -72,12 +72,13 @@ class StreamTrainer:
     """Builds one optimizer step from groups fed in any order, split, or all at once."""
 
     def __init__(self, backend: Backend, cfg: TrainerConfig, *, reference: dict[str, torch.Tensor] | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, row_width: int | None = None):
         # Wall-clock time: a streamed group counts as trained before the rollout ended only if its
         # training finished before that moment, which another rank (rank 0) observes.
         if cfg.kl_coef > 0 and reference is None:
             raise ValueError("trainer.kl_coef > 0 needs the reference policy's weights (reference=...)")
         self.backend, self.cfg, self.reference, self.clock = backend, cfg, reference, clock
+        self.row_width = row_width  # see Trainer
         layout = backend.layout
         self._loss_fn = partial(micro_batch_loss, cfg=cfg, tp_group=layout.tp_group, vocab_size=backend.vocab_size,
                                 cp_group=layout.cp_group if layout.cp > 1 else None)
@@ -162,7 +163,7 @@ class StreamTrainer:
         if samples:
             mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
                                      aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
-                                     pad_multiple=self.backend.pad_multiple)
+                                     pad_multiple=self.backend.pad_multiple, row_width=self.row_width)
             if self.cfg.kl_coef > 0:
                 self._attach_reference_logprobs(mbs)
             for result in self.backend.forward_backward(mbs, self._loss_fn):

@@ -35,7 +35,10 @@ def make_backend(model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerCon
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, layout: ParallelLayout):
+    def __init__(self, cfg: TrainerConfig, model_dir: str | Path, layout: ParallelLayout, *,
+                 row_width: int | None = None):
+        """``row_width``: pad every micro-batch row to this many tokens (``rollout.match_trainer``:
+        the engine's window, so that both compute at one shape); None: to the micro-batch's longest."""
         if (cfg.tp, cfg.pp, cfg.cp) != (layout.tp, layout.pp, layout.cp):
             raise ValueError(f"trainer.tp/pp/cp = {cfg.tp}/{cfg.pp}/{cfg.cp} but the layout was set up as "
                              f"{layout.tp}/{layout.pp}/{layout.cp}; build the layout from the trainer config")
@@ -45,9 +48,12 @@ class Trainer:
                                  pg_collection=layout.pg_collection, recompute=cfg.recompute).to(layout.device)
         load_hf_checkpoint(self.model, self.model_dir)
         self.backend = make_backend(self.model, layout, cfg)
+        if row_width is not None and self.backend.micro_batch_layout != "padded":
+            raise ValueError(f"rollout.match_trainer needs the CPU trainer's padded micro-batches; the "
+                             f"{layout.device.type} backend packs sequences ({self.backend.micro_batch_layout})")
         # The KL reference is the initial policy, kept on host and swapped in for its forward passes.
         reference = self.backend.params_to_host() if cfg.kl_coef > 0 else None
-        self.stream = StreamTrainer(self.backend, cfg, reference=reference)
+        self.stream = StreamTrainer(self.backend, cfg, reference=reference, row_width=row_width)
         self.steps = 0
 
     def train_step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:

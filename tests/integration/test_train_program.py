@@ -282,3 +282,17 @@ def test_a_random_qwen3_policy_trains_syncs_and_exports(tmp_path):
     start, trained = load_file(policy / "model.safetensors"), dict(model.named_parameters())
     assert set(start) <= set(trained)
     assert any(not torch.equal(t, trained[n].detach()) for n, t in start.items()), "the steps were not exported"
+
+
+def test_match_trainer_reads_no_engine_trainer_gap_in_short_or_long_rounds(tmp_path):
+    """rollout.match_trainer through the whole program: weight sync, release/resume, both round kinds."""
+    run_dir = tmp_path / "matched"
+    _train(run_dir, "run.steps=5", "run.save_every=0", "rollout.match_trainer=true", "scheduler.planner.enabled=false",
+           "rollout.max_response_length=128", "data.max_prompt_length=64")
+    rows = _metrics(run_dir)
+    print([(r["step"], r["round"], r["mismatch/tokens"], r["mismatch/kl_k3"], r["train/logprob_mismatch_max"])
+           for r in rows])
+    assert [r["round"] for r in rows] == ["short"] * 4 + ["long"]
+    for r in rows:
+        assert r["mismatch/tokens"] > 0 and r["train/grad_norm"] > 0
+        assert r["mismatch/kl_k3"] == r["mismatch/kl_k1"] == r["train/logprob_mismatch_max"] == 0.0
