@@ -101,7 +101,7 @@ class EngineServer:
         tell goes to the coordinator's news inbox."""
         if self._race is not None:
             news = self._race.step(wait_s)
-            if news.done or (self._round.progress and news.finished):
+            if news.done or news.moved or (self._round.progress and news.finished):
                 self._backlog.append(news)
         self._push()
 

@@ -205,6 +205,11 @@ class RolloutEngine(abc.ABC):
     def active_request_ids(self) -> list[str]:
         """Requests submitted and neither finished, polled nor aborted."""
 
+    def progress(self, request_ids: Sequence[str]) -> list[int]:
+        """Tokens each active request has generated so far (a finished, unpolled one: all of them).
+        The deterministic race reads it to know when no running response can still beat a mark."""
+        raise NotImplementedError(f"{type(self).__name__} does not report its requests' progress")
+
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every rank of the group: load full (unsharded) tensors by HF name in place, without restart."""

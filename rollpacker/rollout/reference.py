@@ -216,6 +216,10 @@ class ReferenceEngine(InProcessEngine):
                 raise RuntimeError(f"unknown command {cmd!r} from the leader")
 
     # ---- validation and memory -----------------------------------------------------------------
+    def _running_generated(self) -> list[int]:
+        # a running request's output_ids holds only the tokens it had when admitted; its row counts on
+        return [] if self._rows is None else self._rows.n_gen.tolist()
+
     def _check_serving(self) -> None:
         if self._missing_weights:
             raise RuntimeError(f"engine {self.engine_id}: weights were released; update_weights must "

@@ -72,6 +72,9 @@ class LengthReplay(RolloutEngine):
     def active_request_ids(self) -> list[str]:
         return self.engine.active_request_ids()
 
+    def progress(self, request_ids: Sequence[str]) -> list[int]:
+        return self.engine.progress(request_ids)
+
     def update_weights(self, named_tensors) -> None:
         self.engine.update_weights(named_tensors)
 

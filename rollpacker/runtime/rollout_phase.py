@@ -39,10 +39,11 @@ T = TypeVar("T")
 class RolloutPhase:
     def __init__(self, engines: EngineSets, *, scheduler: Scheduler | None, reward: RewardSink,
                  replica_of: list[int] | None = None, trigger: tuple[float, float] = (0.2, 0.5),
-                 engine_wait_s: float = 0.005):
+                 engine_wait_s: float = 0.005, fixed_feed: bool = False):
         """Collective. ``reward``: what this rank's engine races score with (its node's pool);
         ``replica_of``: each rank's training replica, to stream-train long rounds (None: never);
-        ``engine_wait_s``: how long a serving engine's step may wait for a completion."""
+        ``engine_wait_s``: how long a serving engine's step may wait for a completion; ``fixed_feed``:
+        streamed groups go to fixed replicas in a fixed order (``StreamFeed``)."""
         self.engines = engines
         self.rank = dist.get_rank()
         self.scheduler, self.reward = scheduler, reward  # the scheduler: rank 0 only
@@ -62,7 +63,7 @@ class RolloutPhase:
         self.streaming = None
         if self.rank == 0 and replica_of is not None:
             self.streaming = StreamFeed(GroupFeed(self.endpoints), self.inbox, replica_of, low=trigger[0],
-                                        high=trigger[1])
+                                        high=trigger[1], fixed=fixed_feed)
         self._acks = GroupFeed(self.endpoints)  # a rank handed to training acknowledges each group to rank 0
         self.streamed: list[SampleGroup] = []  # rank 0: groups trained during the last round
 
@@ -72,7 +73,7 @@ class RolloutPhase:
         def round_(fleet: Fleet) -> RoundResult:
             feed = self.streaming
             result = self.scheduler.run_round(plan, fleet, on_group_done=feed.group_done if feed else None,
-                                              handoff=feed.policy(self.engines.layout) if feed else None)
+                                              handoff=feed.policy(self.engines.layout, plan.prompts) if feed else None)
             self.streamed = feed.end_round() if feed else []
             return result
 

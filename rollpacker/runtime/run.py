@@ -74,9 +74,13 @@ class Run:
         # one reward pool per node, on its first rank: the node's engines score their responses there
         self.node_reward = NodeReward(cfg.reward, tokenizer=pre.tokenizer, lead=world.node_lead,
                                       local_size=world.local_size, group=world.control)
+        # The deterministic race fixes which prompts a round trains; a streamed step must then also fix
+        # which replica trains each and in what order, whatever the split the hand-off's timing made.
+        self.fixed_assignment = cfg.trainer.stream and cfg.scheduler.races_by_length(cfg.rollout.backend)
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=self.node_reward.sink,
                                           replica_of=replica_of, engine_wait_s=cfg.scheduler.idle_poll_s,
-                                          trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high))
+                                          trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high),
+                                          fixed_feed=self.fixed_assignment)
         self.eval_phase = EvalPhase(cfg, self.rollout_phase, tokenizer=pre.tokenizer, run_dir=self.run_dir,
                                     stop_token_ids=(pre.tokenizer.eos_token_id,))
         self.seconds: dict[str, float] = {}
@@ -171,7 +175,7 @@ class Run:
             groups = sorted((sorted(g, key=lambda s: s.response_index) for g in groups),
                             key=lambda g: (g[0].prompt.epoch, g[0].prompt.uid))
             self.trainer.begin_step()
-            return self.trainer.finish_step(groups)
+            return self.trainer.finish_step(groups, fixed=self.fixed_assignment)
 
     def end_step(self, step: int, result: RoundResult | None, train_metrics: dict[str, float]) -> bool:
         """Metrics, timeline, ledger and checkpoint; returns True when the run must stop now."""

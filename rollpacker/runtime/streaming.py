@@ -25,9 +25,9 @@ import zmq
 
 from rollpacker.control.transport import GROUP_INBOX_PORT, Channel, Endpoint, bind, context
 from rollpacker.runtime.world import RolloutLayout
-from rollpacker.sample import SampleGroup
+from rollpacker.sample import Prompt, SampleGroup
 from rollpacker.scheduler.handoff import HandoffPolicy
-from rollpacker.trainer.stream import StreamTrainer
+from rollpacker.trainer.stream import StreamTrainer, group_key, replica_for
 from rollpacker.wakeup import Waiter
 
 Group = SampleGroup
@@ -40,7 +40,7 @@ class RolloutEnded:
 
 
 def _key(group: Group) -> tuple[int, int]:
-    return group.prompt.epoch, group.prompt.uid
+    return group_key(group.prompt)
 
 
 class GroupInbox:
@@ -107,15 +107,21 @@ class StreamFeed:
     """
 
     def __init__(self, feed: GroupFeed, acks: GroupInbox, replica_of: Sequence[int], *, low: float, high: float,
-                 window: int = 2):
+                 window: int = 2, fixed: bool = False):
+        """``fixed``: each group goes to the replica ``replica_for`` names, in key order (a replica gets
+        a group only after every one of its groups that comes before it), and what a replica did not
+        get it trains in the step's ``finish(fixed=True)``: the deterministic race's assignment."""
         self.feed, self.acks, self.replica_of = feed, acks, list(replica_of)
-        self.low, self.high, self.window = low, high, window
+        self.low, self.high, self.window, self.fixed = low, high, window, fixed
+        self.dp = len(set(self.replica_of))
         self._waiter = Waiter(acks.socket)  # the feeder sleeps until an acknowledgement or a group (or the end) comes
         self._start_round(None)
 
-    def policy(self, layout: RolloutLayout) -> HandoffPolicy | None:
-        """This round's hand-off policy, or None when no engine can leave."""
+    def policy(self, layout: RolloutLayout, prompts: Sequence[Prompt] = ()) -> HandoffPolicy | None:
+        """This round's hand-off policy, or None when no engine can leave; ``prompts``: the round's
+        (a fixed feed hands each replica its groups in their order)."""
         self._start_round(layout)
+        self._order = sorted(group_key(p) for p in prompts)
         candidates = tuple(e for e in reversed(range(1, len(layout.leaders))) if self._whole_replicas(layout, e))
         if not candidates:
             return None
@@ -169,6 +175,9 @@ class StreamFeed:
         waiting: list[Group] = []
         in_flight: list[set[tuple[int, int]]] = [set() for _ in self._replicas]
         tokens = [0] * len(self._replicas)
+        # fixed: each training replica's groups in the order it must train them
+        mine = [[k for k in self._order if replica_for(k, self.dp) == self.replica_of[ranks[0]]]
+                for ranks in self._replicas]
         ending = False
         while True:
             with contextlib.suppress(queue.Empty):
@@ -181,8 +190,9 @@ class StreamFeed:
             for key in self.acks.drain():
                 for keys in in_flight:
                     keys.discard(key)
-            while waiting and (free := [i for i, keys in enumerate(in_flight) if len(keys) < self.window]):
-                i, group = min(free, key=tokens.__getitem__), waiting.pop(0)
+            while pick := self._next(waiting, in_flight, tokens, mine):
+                i, group = pick
+                waiting.remove(group)
                 self.feed.send(self._replicas[i], group)
                 in_flight[i].add(_key(group))
                 tokens[i] += len(group) * len(group.prompt.input_ids) + sum(group.lengths)  # as packed
@@ -190,6 +200,19 @@ class StreamFeed:
             if ending:
                 return
             self._waiter.wait()  # a wake is drained before the next look at what was handed over
+
+    def _next(self, waiting: list[Group], in_flight: list[set[tuple[int, int]]], tokens: list[int],
+              mine: list[list[tuple[int, int]]]) -> tuple[int, Group] | None:
+        """The replica and group to send next, if any: the first waiting group to the replica with the
+        fewest tokens that has room; fixed, a replica's next group in its order once it is here."""
+        free = [i for i, keys in enumerate(in_flight) if len(keys) < self.window]
+        if not self.fixed:
+            return (min(free, key=tokens.__getitem__), waiting[0]) if waiting and free else None
+        here = {_key(g): g for g in waiting}
+        for i in free:
+            if mine[i] and mine[i][0] in here:
+                return i, here[mine[i].pop(0)]
+        return None
 
 
 def stream_train(inbox: GroupInbox, stream: StreamTrainer, ack: Callable[[tuple[int, int]], None]) -> int:

@@ -108,12 +108,34 @@ class SchedulerConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     idle_poll_s: float = 0.005  # real clock: how long one engine poll may block when nothing finished
+    # How a short round decides which prompts finished first (rollpacker/scheduler/group_race.py):
+    # deterministic: by response lengths in tokens, so a run is reproducible from its config and seed
+    #   whatever the machine's timing; the round waits until no running response can still beat the
+    #   kept ones (the extra tokens are its cost, bench/system/race.py). Needs engines that report
+    #   progress (the reference and trainer-matched engines, the simulator's); not dynamic_sampling.
+    # first_finished: by the wall clock (reward latency included): no waiting, but which prompts train
+    #   when, and so the weights, change with the machine's timing.
+    # auto: deterministic with the reference engine on a real clock; first_finished with SGLang (it
+    #   does not report progress), in dynamic_sampling and on the simulator's virtual clock (which
+    #   is reproducible already).
+    race: Literal["auto", "deterministic", "first_finished"] = "auto"
+
+    def races_by_length(self, backend: str, *, virtual_clock: bool = False) -> bool:
+        """Whether ``race`` resolves to the deterministic race for this rollout backend and clock."""
+        if self.race != "auto":
+            return self.race == "deterministic"
+        return backend == "reference" and self.mode != "dynamic_sampling" and not virtual_clock
 
     def validate(self) -> None:
         if self.p0 < 1 or self.r0 < 1:
             raise ConfigError(f"p0 and r0 must be >= 1, got p0={self.p0} r0={self.r0}")
         if self.mode == "dynamic_sampling" and self.r0 < 2:
             raise ConfigError("r0 must be >= 2 for dynamic_sampling (zero-variance needs a group)")
+        if self.race not in ("auto", "deterministic", "first_finished"):
+            raise ConfigError(f"race must be auto, deterministic or first_finished, got {self.race!r}")
+        if self.race == "deterministic" and self.mode == "dynamic_sampling":
+            raise ConfigError("race=deterministic does not run dynamic_sampling, whose replacement prompts start "
+                              "mid-round; use race=first_finished (or auto)")
         if self.idle_poll_s <= 0:
             raise ConfigError(f"idle_poll_s must be > 0, got {self.idle_poll_s}")
         for name in ("eta_p", "eta_r"):

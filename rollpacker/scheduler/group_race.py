@@ -13,6 +13,17 @@ cluster, on a virtual clock), and inside the ``EngineServer`` of an engine that 
 leads, with that node's reward pool; the coordinator drives both alike (``EngineDriver`` through a
 ``Fleet``).
 
+The deterministic race (``scheduler.race``; ``GroupLaunch.logical``) decides by lengths instead:
+a response's finishing time is its length in tokens (its reward counted as instantaneous), so a
+group's ``r0`` are its ``r0`` shortest responses (ties: the lower response index) and its *mark*
+is the ``r0``-th of those lengths, ties between groups broken by a key fixed by the run's seed
+(``GroupLaunch.tie``). A group completes once that set is certain: every response still running
+has generated at least as many tokens as the mark (``RolloutEngine.progress``), and its ``r0``
+are scored. The race also tells the *floor*: the least mark any of its open groups could still
+get, from what each response has generated so far. The coordinator closes the round on the
+``P0`` least marks once no engine's floor is below them (round_runner.py), so which prompts a
+round trains depends on the sampled lengths alone, not on the machine's timing.
+
 A race lives one round: ``end`` aborts what is left and reports where each request of the
 groups not yet reported ran and what the engine did; ``retire`` (the stream trainer's hand-off)
 evicts its groups instead and hands back their state, so that another engine's race carries
@@ -52,6 +63,7 @@ class GroupLaunch:
     reward_key: str | None = None  # the code timeouts' prompt key (None: from the tests' content)
     adapt: bool = True  # its scores adapt the code timeouts (an eval's do not)
     responses: tuple[int, ...] = ()  # a part's response indices (empty: all n)
+    logical: bool = False  # the deterministic race: complete on the r0 shortest responses, by length
     # carried over from an engine handed to the stream trainer: the ready responses in the order
     # they became ready, the finished ones not yet scored, and where the others had got to
     ready: list[Sample] = field(default_factory=list)
@@ -68,19 +80,28 @@ class GroupLaunch:
     def seed(self, r: int) -> int:
         return zlib.crc32(f"{self.seed_prefix}{r}".encode())
 
+    @property
+    def tie(self) -> int:
+        """Orders groups of equal marks: fixed by the run's seed, the round and the prompt."""
+        return zlib.crc32(self.seed_prefix.encode())
+
     def migrated(self) -> tuple[int, int]:
         """(requests carried over mid-generation, the tokens they had generated)."""
         return len(self.partial), sum(len(c.output_ids) for c in self.partial.values())
 
 
+Mark = tuple[int, int]  # (the r0-th shortest response length, the group's tie key): the deterministic race's order
+
+
 @dataclass
 class GroupDone:
     key: int
-    group: SampleGroup  # the first r0 ready responses, in the order they became ready
+    group: SampleGroup  # the first r0 ready responses, in the order they became ready (logical: by index)
+    mark: Mark | None = None  # the deterministic race's (None: the group was not raced by length)
 
     def __reduce__(self):
         # to the coordinator, which launched the prompt: the group crosses without it (it puts its own back)
-        return GroupDone, (self.key, self.group.stripped())
+        return GroupDone, (self.key, self.group.stripped(), self.mark)
 
 
 @dataclass
@@ -90,9 +111,14 @@ class RaceNews:
     done: list[GroupDone] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # the token counts of responses generated since
     open: int = 0  # requests outstanding on the engine now
+    # the deterministic race: the least mark its open groups could still get (None: none open), as
+    # of the ``launched``-th part it was given; ``moved``: either changed since the race last told
+    floor: Mark | None = None
+    launched: int = 0
+    moved: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.done or self.finished)
+        return bool(self.done or self.finished or self.moved)
 
 
 @dataclass
@@ -129,11 +155,13 @@ class GroupRace:
         self._groups: dict[int, _Group] = {}  # not yet complete, by key
         self._spans: dict[int, list[Span]] = {}  # every group's requests on this engine this round, by key
         self._requests: dict[str, tuple[_Group, int, float]] = {}  # outstanding: (group, response, submitted)
-        self._told: collections.deque[int] = collections.deque()  # keys a score callback named
+        self._scores_for: collections.deque[int] = collections.deque()  # keys a score callback named
         self._abandoned: list[str] = []  # requests of groups completed in this step, aborted at its end
         self._news = RaceNews()
         self._counts0: tuple[int, int] | None = None  # the engine's counters at the round's first launch
         self._busy, self._peak, self._last = 0.0, 0, clock.now()
+        self._launched = 0
+        self._told: tuple[Mark | None, int] = (None, 0)  # (floor, launched) as last told
 
     # --- the coordinator's calls -------------------------------------------------------------------
     def launch(self, groups: Sequence[GroupLaunch]) -> None:
@@ -160,6 +188,7 @@ class GroupRace:
             placed.append(group)
         self.engine.submit([request for _, _, request in requests])
         self._account()
+        self._launched += len(placed)
         for group in placed:
             self._groups[group.launch.key] = group
             self._spans[group.launch.key] = group.spans
@@ -180,12 +209,16 @@ class GroupRace:
             for c in completions:
                 self._finished(c)
         self._collect_scores()
+        floor = self._settle()
         if self._abandoned:
             self._account()
             self.engine.abort(self._abandoned)
             self._abandoned = []
         news, self._news = self._news, RaceNews()
         news.open = len(self._requests)
+        news.floor, news.launched = floor, self._launched
+        news.moved = (floor, self._launched) != self._told
+        self._told = (floor, self._launched)
         return news
 
     def stats(self) -> EngineStats:
@@ -267,13 +300,13 @@ class GroupRace:
 
     def _scored(self, key: int) -> None:
         """From the scoring thread: a score of group ``key`` came."""
-        self._told.append(key)
+        self._scores_for.append(key)
         self._wake()
 
     def _collect_scores(self) -> None:
         told = set()
-        while self._told:
-            told.add(self._told.popleft())
+        while self._scores_for:
+            told.add(self._scores_for.popleft())
         for key in sorted(told & self._groups.keys()):
             group = self._groups[key]
             for r, future in list(group.scoring.items()):
@@ -289,8 +322,35 @@ class GroupRace:
 
     def _ready(self, group: _Group, sample: Sample) -> None:
         group.ready.append(sample)
-        if len(group.ready) < group.launch.r0:
-            return
+        if group.launch.logical or len(group.ready) < group.launch.r0:
+            return  # a logical group waits for _settle: the first ready need not be the shortest
+        self._complete(group, group.ready)
+
+    def _settle(self) -> Mark | None:
+        """The deterministic race: complete each group whose r0 shortest responses are certain and
+        scored; returns the least mark an open group could still get (None: none is open)."""
+        groups = [g for g in self._groups.values() if g.launch.logical]
+        running = [g.launch.request_id(r) for g in groups for r in g.open]
+        made = dict(zip(running, self.engine.progress(running))) if running else {}
+        floor = None
+        for group in groups:
+            g = group.launch
+            # (length, index): a finished response's; a running one's least final length is one
+            # token more than it has
+            finished = sorted((len(group.samples[r].response_ids), r) for r in g.indices if r not in group.open)
+            least = sorted((made[g.request_id(r)] + 1, r) for r in group.open)
+            if len(finished) >= g.r0:
+                best, ready = finished[:g.r0], {s.response_index for s in group.ready}
+                if (not least or least[0] > best[-1]) and all(r in ready for _, r in best):
+                    self._complete(group, [group.samples[r] for r in sorted(r for _, r in best)],
+                                   (best[-1][0], g.tie))
+                    continue
+            mark = (sorted(finished + least)[g.r0 - 1][0], g.tie)
+            floor = mark if floor is None else min(floor, mark)
+        return floor
+
+    def _complete(self, group: _Group, samples: list[Sample], mark: Mark | None = None) -> None:
+        """``samples`` are the group: its other requests are abandoned (aborted at the step's end)."""
         key = group.launch.key
         del self._groups[key]
         self._account()
@@ -300,7 +360,7 @@ class GroupRace:
             _, _, start = self._requests.pop(rid)
             group.spans.append((r, start, now))
             self._abandoned.append(rid)
-        self._news.done.append(GroupDone(key, SampleGroup(group.launch.prompt, group.ready)))
+        self._news.done.append(GroupDone(key, SampleGroup(group.launch.prompt, samples), mark))
 
     # --- accounting ----------------------------------------------------------------------------------
     def _account(self) -> None:

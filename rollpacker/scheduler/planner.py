@@ -13,7 +13,8 @@ KV-cache pressure and preemptions, so each round kind has its own TP.
   ``grow_ratio`` x those of the previous round of the same kind (a rise from
   zero counts) double TP; ``shrink_after_steps`` consecutive rounds with no
   preemption halve it. Comparing a short round with the long round before it
-  would read the round mix as pressure, hence per kind.
+  would read the round mix as pressure, hence per kind. A deterministic run
+  (``scheduler.race``) does not apply it: preemptions depend on the timing.
 - Every TP is a power of two, at most ``max_tp`` (a TP group never spans a
   node) and divides the number of rollout ranks.
 """
@@ -58,12 +59,13 @@ class ParallelismPlanner:
             self._kinds[kind] = _KindState(self._initial(kind, requests, tokens))
         return self._kinds[kind].tp
 
-    def observe(self, kind: RoundKind, preemptions: int, mean_response_tokens: float) -> None:
-        """Apply the online rule after a round of ``kind`` with ``preemptions``."""
+    def observe(self, kind: RoundKind, preemptions: int | None, mean_response_tokens: float) -> None:
+        """Apply the online rule after a round of ``kind`` with ``preemptions`` (None: not measured, the
+        TP stays)."""
         if mean_response_tokens > 0:
             self._mean_response_tokens = mean_response_tokens
         state = self._kinds.get(kind)
-        if not self.cfg.enabled or state is None:
+        if not self.cfg.enabled or state is None or preemptions is None:
             return
         rising = state.last_preemptions is not None and preemptions > self.cfg.grow_ratio * state.last_preemptions
         if rising:

@@ -16,6 +16,12 @@ A long round may hand engines to the stream trainer midway (``handoff``, see han
 at each response generated: what they still race is taken back with what it has and launched on
 the engines that stay, the partial responses continuing from their tokens under the same request ids.
 
+Under the deterministic race (``logical``; group_race.py) a group reports its mark, and the runner
+keeps groups in mark order: a reported group is kept once no engine's floor (the least mark an open
+group could still get) is below its mark, so the ``target_groups`` kept are those of the least marks
+whatever the order their news arrived in; reported groups not kept by the close are deferred like
+the unreported. Kept groups then train in launch order, their samples in response order.
+
 With synchronous reward (the "reward after rollout" ablation), a group completes on generation
 alone and the kept samples are scored in one stage after the round closes; ``on_group_done``
 then fires after that stage.
@@ -43,7 +49,7 @@ from rollpacker.rollout.engine import EngineStats
 from rollpacker.sample import Prompt, Sample, SampleGroup
 from rollpacker.scheduler.calls import End, Launch, Retire, Stats
 from rollpacker.scheduler.fleet import StalledError
-from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, RaceNews, RaceReport
+from rollpacker.scheduler.group_race import GroupDone, GroupLaunch, Mark, RaceNews, RaceReport
 from rollpacker.scheduler.handoff import HandoffTrigger
 from rollpacker.scheduler.protocols import Fleet
 from rollpacker.scheduler.round import Outcome, RequestTrace, RoundPlan, RoundResult, RoundStats, RoundTrace
@@ -69,7 +75,7 @@ class RoundRunner:
     def __init__(self, plan: RoundPlan, *, driver: EngineDriver, launches: Sequence[GroupLaunch], async_reward: bool,
                  keeps: Callable[[SampleGroup], bool], replacement: Callable[[], GroupLaunch | None],
                  on_group_done: GroupCallback | None, handoff: HandoffTrigger | None = None,
-                 limit: int | None = None) -> None:
+                 limit: int | None = None, logical: bool = False) -> None:
         self.plan, self.driver, self.launches, self.limit = plan, driver, launches, limit
         self.reward, self.clock = driver.fleet.reward, driver.fleet.clock
         self.async_reward = async_reward
@@ -83,6 +89,8 @@ class RoundRunner:
         self.finished = [0, 0]  # responses generated, their tokens
         self.migrated = [0, 0]  # requests moved off released engines, the tokens they carried
         self.handed_off: tuple[float, tuple[int, ...]] | None = None  # when, which engines
+        self.logical = logical
+        self.marked: list[tuple[Mark, int]] = []  # logical: reported groups not yet kept, as a heap of (mark, key)
 
     def run(self) -> RoundResult:
         start = self.clock.now()
@@ -93,6 +101,9 @@ class RoundRunner:
                                    "kept and nothing left running")
             for _, news in self.driver.poll():
                 self._hear(news)
+            # after the whole poll: the engines' floors are as of its last news, which may report groups
+            # that come before the marked ones
+            self._keep_marked()
             self._place()
         self.driver.end()
         rollout_end = self.clock.now()
@@ -138,21 +149,36 @@ class RoundRunner:
 
     def _group_done(self, done: GroupDone) -> None:
         group = self.groups[done.key]
-        if group.complete:  # reported twice (a push that crossed a hand-off)
+        if group.complete or group.done is not None:  # reported twice (a push that crossed a hand-off)
             return
-        group.complete = True
         done.group.prompt = group.prompt  # a remote engine's group comes without it
         group.done = done.group
-        if not self.keeps(done.group):
+        if done.mark is not None:  # kept in mark order, by _keep_marked
+            heapq.heappush(self.marked, (done.mark, done.key))
+            return
+        self._settle(done.key)
+
+    def _keep_marked(self) -> None:
+        """Logical: keep reported groups, least mark first, while none an engine still races could
+        come before them (and none waits to be placed)."""
+        floor = self.driver.floor()
+        while self.marked and not self._closed() and not self.waiting and (floor is None or self.marked[0][0] < floor):
+            self._settle(heapq.heappop(self.marked)[1])
+
+    def _settle(self, key: int) -> None:
+        group = self.groups[key]
+        group.complete = True
+        done = group.done
+        if not self.keeps(done):
             self.filtered.append(group.prompt)
-            self.filtered_tokens.append(max(done.group.lengths))
+            self.filtered_tokens.append(max(done.lengths))
             if (extra := self.replacement()) is not None:
                 self._launch(extra)
             return
         group.kept = True
-        self.kept.append(done.group)
+        self.kept.append(done)
         if self.async_reward and self.on_group_done is not None:
-            self.on_group_done(done.group)
+            self.on_group_done(done)
 
     def _closed(self) -> bool:
         """P0 groups are kept: whatever else completes is too late."""
@@ -174,6 +200,8 @@ class RoundRunner:
 
     def _result(self, start: float, rollout_end: float, bubble: float) -> RoundResult:
         preemptions, generated = self.driver.counters()
+        if self.logical:  # launch order: the order the groups were kept in depends on when news came
+            self.kept = [g.done for g in self.groups if g.kept]
         batch_tokens = sum(sum(g.lengths) for g in self.kept)
         deferred = [g.prompt for g in self.groups if not g.complete]
         stats = RoundStats(
@@ -232,7 +260,7 @@ def _request_traces(groups: list[_Group], reports: list[tuple[int, RaceReport]],
 class _Assembly:
     """An open group: how many parts it was placed in, those done so far."""
     expected: int
-    parts: list[SampleGroup] = field(default_factory=list)
+    parts: list[tuple[int, SampleGroup]] = field(default_factory=list)  # (part key, its samples)
 
 
 class EngineDriver:
@@ -256,6 +284,9 @@ class EngineDriver:
         self._retired: dict[int, float] = {}  # engine -> when it left the round
         self._backlog: list[tuple[int, RaceNews]] = []  # news handed back by a retire, for the next poll
         self.reports: dict[int, RaceReport] = {}  # engine -> its race's report, once ended or retired
+        # the deterministic race: each engine's floor as of the parts it had been sent when it told
+        self._sent = [0] * fleet.size
+        self._floors: list[tuple[int, Mark | None]] = [(0, None)] * fleet.size
         self._start = self._clock.now()
         self._ended_at: float | None = None
 
@@ -303,8 +334,21 @@ class EngineDriver:
         news += self.fleet.poll(wait=not news and bool(self._open))
         for i, n in news:
             self._load[i] = n.open
+            self._floors[i] = (n.launched, n.floor)
             n.done = [done for part in n.done if (done := self._complete(i, part)) is not None]
         return news
+
+    def floor(self) -> Mark | None:
+        """The least mark a group still raced could get, over the engines racing one (None: none is).
+        An engine that has not told since it was last sent parts has a floor below every mark."""
+        floors = []
+        for i in set(self._placed.values()):
+            told, floor = self._floors[i]
+            if told < self._sent[i]:
+                return (-1, -1)
+            if floor is not None:
+                floors.append(floor)
+        return min(floors, default=None)
 
     def wake(self) -> None:
         """End a wait in ``poll`` or ``wait_for_time`` early (from any thread): a score came."""
@@ -405,6 +449,8 @@ class EngineDriver:
 
     def _send(self) -> None:
         outbox, self._outbox = self._outbox, defaultdict(list)
+        for i, parts in outbox.items():
+            self._sent[i] += len(parts)
         self.fleet.call((i, Launch(parts)) for i, parts in outbox.items())
 
     def _complete(self, engine: int, done: GroupDone) -> GroupDone | None:
@@ -414,11 +460,12 @@ class EngineDriver:
         self._tokens[engine] -= self._part_tokens.pop(done.key)
         key = self._part_group[done.key]
         group = self._open[key]
-        group.parts.append(done.group)
+        group.parts.append((done.key, done.group))
         if len(group.parts) < group.expected:
             return None
         del self._open[key]
-        return GroupDone(key, group.parts[0] if len(group.parts) == 1 else SampleGroup.joined(group.parts))
+        parts = [part for _, part in sorted(group.parts, key=lambda p: p[0])]  # part keys follow response order
+        return GroupDone(key, parts[0] if len(parts) == 1 else SampleGroup.joined(parts), done.mark)
 
     def _by_group(self, report: RaceReport) -> RaceReport:
         """``report`` with its spans by group (a race keys them by its parts)."""

@@ -24,6 +24,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.sample import Prompt
 from rollpacker.scheduler.admission import FreshAdmission, HistoryAdmission
+from rollpacker.scheduler.clock import VirtualClock
 from rollpacker.scheduler.config import SchedulerConfig, TPProfile
 from rollpacker.scheduler.group_race import GroupLaunch
 from rollpacker.scheduler.handoff import HandoffPolicy, HandoffTrigger
@@ -67,6 +68,7 @@ class Scheduler:
         self.policy = make_policy(cfg, HistoryAdmission(cfg, self.history) if self.history is not None else FreshAdmission(cfg))
         self.queue = LongPromptQueue()
         self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
+        self._backend = rollout.backend
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._pending: RoundPlan | None = None
 
@@ -93,6 +95,7 @@ class Scheduler:
                              f"i.e. {self.rollout_ranks // plan.tp} engines; got {fleet.size}")
         if plan.n_responses < self.cfg.r0:
             raise ValueError(f"plan launches {plan.n_responses} responses per prompt, fewer than r0={self.cfg.r0}")
+        logical = self.races_by_length(fleet)
         trigger = (HandoffTrigger(handoff, len(plan.prompts) * plan.n_responses, fleet.size)
                    if handoff is not None and plan.kind is RoundKind.LONG else None)
 
@@ -101,7 +104,7 @@ class Scheduler:
             # seeds from the run's seed, the round and the request id (``GroupLaunch.seed``)
             return GroupLaunch(0, prompt, plan.n_responses, self.cfg.r0, prefix,
                                f"{self.sampling.seed or 0}:{plan.index}:{prefix}", self.sampling,
-                               scored=self.async_reward, reward_key=f"p{prompt.uid}")
+                               scored=self.async_reward, reward_key=f"p{prompt.uid}", logical=logical)
 
         def replacement() -> GroupLaunch | None:
             prompt = self.policy.replacement(plan.kind, self.queue, self.source)
@@ -110,7 +113,7 @@ class Scheduler:
         runner = RoundRunner(
             plan, driver=EngineDriver(fleet, progress=trigger is not None), launches=[launch(p) for p in plan.prompts],
             async_reward=self.async_reward, keeps=self.policy.keeps, replacement=replacement,
-            on_group_done=on_group_done, handoff=trigger)
+            on_group_done=on_group_done, handoff=trigger, logical=logical)
         with _no_collection_during_the_round():
             result = runner.run()
         self._pending = None
@@ -119,10 +122,16 @@ class Scheduler:
             self.history.observe(result)
         result.stats.queue_length = len(self.queue)
         s = result.stats
-        self.planner.observe(plan.kind, s.preemptions, s.batch_tokens / max(1, result.num_samples))
+        # the measured preemptions depend on timing (when requests were admitted, when the round closed):
+        # a deterministic run keeps each round kind's starting TP
+        self.planner.observe(plan.kind, None if logical else s.preemptions, s.batch_tokens / max(1, result.num_samples))
         for key, n in zip(_COUNTERS, (1, s.launched_prompts, s.kept_prompts, s.filtered_prompts, s.deferred_prompts)):
             self.counters[key] += n
         return result
+
+    def races_by_length(self, fleet: Fleet) -> bool:
+        """Whether rounds on ``fleet`` run the deterministic race (``SchedulerConfig.race``)."""
+        return self.cfg.races_by_length(self._backend, virtual_clock=isinstance(fleet.clock, VirtualClock))
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:

@@ -113,6 +113,13 @@ class SimEngine(RolloutEngine):
     def active_request_ids(self) -> list[str]:
         return [*self.running, *(r.rid for r in self.waiting), *(c.request_id for c in self._done)]
 
+    def progress(self, request_ids: Sequence[str]) -> list[int]:
+        self._advance(self.clock.now())
+        generated = {c.request_id: len(c.output_ids) for c in self._done}
+        generated.update((r.rid, r.generated) for r in self.waiting)
+        generated.update((rid, r.generated + self.step - r.admit_step) for rid, r in self.running.items())
+        return [generated[i] for i in request_ids]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for _ in named_tensors:  # a modeled engine holds no weights; consume the stream as a real one would
             pass

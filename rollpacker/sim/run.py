@@ -32,6 +32,7 @@ class SimSettings:
     max_tp: int = 8  # GPUs per node
     seed: int = 0
     efficiency: Efficiency = field(default_factory=Efficiency)
+    race: str = "auto"  # scheduler.race (auto: the wall-clock race, reproducible on the virtual clock)
 
     def validate(self) -> None:
         if self.model not in QWEN25:
@@ -79,7 +80,7 @@ class SimCluster:
         cfg = SchedulerConfig(mode=mode, p0=settings.p0, r0=settings.r0, eta_p=settings.eta_p, eta_r=settings.eta_r,
                               planner=PlannerConfig(enabled=planner_on, short_tp=settings.tp, long_tp=settings.tp,
                                                     max_tp=settings.max_tp),
-                              history=history or HistoryConfig())
+                              history=history or HistoryConfig(), race=settings.race)
         rollout = RolloutConfig(tp=settings.tp, max_response_length=settings.limit)
         profile = modeled_profile(settings) if planner_on else ()
         self.scheduler = Scheduler(cfg, rollout, source, rollout_ranks=settings.gpus, profile=profile,

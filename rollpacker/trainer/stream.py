@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -26,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from rollpacker.sample import Sample
+from rollpacker.sample import Prompt, Sample
 from rollpacker.trainer import mismatch
 from rollpacker.trainer.backend import Backend, logprobs_only, micro_batch_loss
 from rollpacker.trainer.config import TrainerConfig
@@ -66,6 +67,17 @@ class StreamReport:
     def overlap_share(self) -> float:
         """Share of the step's training compute (by tokens) done while rollout was still running."""
         return self.tokens_before_rollout_end / self.tokens_total if self.tokens_total else 0.0
+
+
+def group_key(prompt: Prompt) -> tuple[int, int]:
+    """A prompt group's place in a step's canonical order."""
+    return prompt.epoch, prompt.uid
+
+
+def replica_for(key: tuple[int, int], dp: int) -> int:
+    """The data-parallel replica that trains the group of ``key`` (``group_key``) under a fixed
+    assignment (``StreamTrainer.finish``): a function of the prompt alone."""
+    return zlib.crc32("{}:{}".format(*key).encode()) % dp
 
 
 class StreamTrainer:
@@ -128,8 +140,14 @@ class StreamTrainer:
         self._require_open()
         self._rollout_ended_at = self.clock() if at is None else at
 
-    def finish(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
+    def finish(self, remaining: Sequence[Sequence[Sample]], *, fixed: bool = False) -> dict[str, float]:
         """Train on ``remaining`` (identical on every rank), reduce, normalise, step once.
+
+        ``fixed``: each group is trained by the replica ``replica_for`` names, alone, in key order,
+        as the stream feed hands it out under the deterministic race: then the update does not
+        depend on which groups were streamed before the rollout ended (the split is timing), at the
+        price of per-group micro-batches and replicas balanced by hash rather than by tokens.
+        Otherwise the groups are packed together and spread to even out each replica's tokens.
 
         Collective over the data-parallel group. Returns the step's metrics,
         identical on every rank.
@@ -137,8 +155,15 @@ class StreamTrainer:
         self._require_open()
         if self._rollout_ended_at is None:
             self.end_rollout()
-        samples = [s for g in remaining for s in with_advantages(g, self.cfg)]
         layout = self.backend.layout
+        if fixed:
+            start = self.clock()
+            for group in sorted(remaining, key=lambda g: group_key(g[0].prompt)):
+                if replica_for(group_key(group[0].prompt), layout.dp) == layout.dp_rank:
+                    self._train(list(with_advantages(group, self.cfg)), 1)
+            self._finish_s = self.clock() - start
+            return self._reduce_and_step()
+        samples = [s for g in remaining for s in with_advantages(g, self.cfg)]
         # replicas that streamed during rollout already did part of the work: even out the total
         done = torch.tensor([self._counts["tokens"]], dtype=torch.int64, device=layout.device)
         loads = [torch.zeros_like(done) for _ in range(layout.dp)]

@@ -66,11 +66,11 @@ class Trainer:
         if not self.stream.is_open:
             self.stream.begin()
 
-    def finish_step(self, remaining: Sequence[Sequence[Sample]]) -> dict[str, float]:
+    def finish_step(self, remaining: Sequence[Sequence[Sample]], *, fixed: bool = False) -> dict[str, float]:
         """End a streamed step (after ``stream.begin()`` / ``stream.consume(...)``); see StreamTrainer.finish."""
         lr = self.cfg.lr_at(self.steps + 1)
         self.backend.set_lr(lr)
-        metrics = self.stream.finish(remaining)
+        metrics = self.stream.finish(remaining, fixed=fixed)
         metrics["lr"] = lr
         self.steps += 1 - metrics["skipped"]
         return metrics

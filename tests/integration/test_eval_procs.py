@@ -2,7 +2,8 @@
 (pass@k, the config, preflight's refusals and the eval rows, in one process: tests/unit/test_eval.py.)
 
 The program tests share one pair of runs of ``configs/tiny-cpu.yaml`` (the suite's FAST overrides,
-baseline mode so that which prompts a step trains does not depend on timing, 4 steps, checkpoints
+tail batching with the deterministic race, the default on CPU, so that which prompts a step trains does
+not depend on timing, 4 steps, checkpoints
 at 2 and 4): one with eval on (before training and every 2 steps, the shipped greedy and 4-sample
 settings on 8 eval prompts), killed with SIGKILL during the eval of step 2 and again just after
 that eval was logged, and resumed each time; one with eval off, uninterrupted.
@@ -29,7 +30,7 @@ from procgroup import kill_group  # noqa: E402
 from test_train_program import FAST, POLICY  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
-TRAIN = [*FAST, "scheduler.mode=baseline", "run.steps=4", "run.save_every=2", "run.keep_checkpoints=10",
+TRAIN = [*FAST, "run.steps=4", "run.save_every=2", "run.keep_checkpoints=10",
          "run.wandb=disabled"]
 EVAL_ON = ["run.eval.every=2", "run.eval.before_train=true", "run.eval.max_prompts=8"]  # the shipped samplings
 needs_policy = pytest.mark.skipif(not (POLICY / "config.json").exists(), reason="shipped policy missing")
@@ -147,7 +148,8 @@ def test_eval_on_and_off_train_the_same_prompts_to_the_same_weights(runs):
     assert any(not torch.equal(moved[k], a[k]) for k in moved if k in a)
     train_on = [r for r in _lines(on) if "round" in r]
     train_off = [r for r in _lines(off) if "round" in r]
-    for key in ("reward_mean", "train/loss", "train/grad_norm", "generated_tokens"):
+    # (not generated_tokens: it counts what the requests a round aborted had made by its close, timing)
+    for key in ("reward_mean", "train/loss", "train/grad_norm"):
         print(key, [r[key] for r in train_on], [r[key] for r in train_off])
         assert [r[key] for r in train_on] == [r[key] for r in train_off]
     assert not _evals(off) and not (off / "eval").exists()

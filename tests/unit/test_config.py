@@ -130,3 +130,14 @@ def test_base_file_is_read_first_and_overridden_section_by_section(tmp_path):
     (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(ConfigError, match=r"missing.yaml does not exist \(the base of .*c.yaml\)"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_the_race_resolves_per_backend_and_refuses_what_it_cannot_run(model_dir):
+    tiny, gpu = _cfg(model_dir), load_config(CONFIGS / "qwen2.5-7b.yaml")
+    assert tiny.scheduler.races_by_length(tiny.rollout.backend)  # auto: the reference engine reports progress
+    assert not gpu.scheduler.races_by_length(gpu.rollout.backend)  # auto: SGLang does not
+    assert not tiny.scheduler.races_by_length("reference", virtual_clock=True)  # the simulator: reproducible already
+    with pytest.raises(ConfigError, match="scheduler.race=deterministic reads how many tokens"):
+        check_layout(_cfg(model_dir, "scheduler.race=deterministic", "rollout.backend=sglang"), 2)
+    with pytest.raises(ConfigError, match="race=deterministic does not run dynamic_sampling"):
+        _cfg(model_dir, "scheduler.race=deterministic", "scheduler.mode=dynamic_sampling")
