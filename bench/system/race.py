@@ -1,7 +1,7 @@
 """What the deterministic race costs: short rounds decided by response lengths (``scheduler.race:
 deterministic``) against the wall-clock race (``first_finished``), in the same run.
 
-    python -m bench.system.race [--rounds 10] [--steps 10] [--seed 1] [--skip-program] \
+    python -m bench.system.race [--rounds 10] [--steps 10] [--seed 1] [--seeds 1,2,3] [--skip-program] \
         [--out /tmp/race] [--results bench/results/race.json]
 
 The deterministic race closes a round only once no running response could still beat the kept
@@ -12,8 +12,9 @@ groups' marks, so it generates more tokens while stragglers pass the mark. Measu
   mean short-round rollout seconds and generated tokens. The simulator checks the close at its events
   (completions), so the deterministic race's close can come a little late there: an upper bound.
 * the program on this CPU (``configs/tiny-cpu.yaml`` on 2 ranks, the reference engines, validation
-  off, ``--steps`` steps), once with each race, same seed: mean short-round rollout seconds and
-  generated tokens per short round. The two races keep different prompts, so the steps are not paired.
+  off, ``--steps`` steps), once with each race per seed: mean short-round rollout seconds and
+  generated tokens per short round, their ratios paired by seed. The two races keep different
+  prompts, so steps are not paired, and one seed's ratio is noisy.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from bench.e2e.stats import paired_difference
 from bench.system.sim import PUBLISHED, published_trace
 from bench.tools.results import write_results
 from rollpacker.sim.run import SimSettings, run_mode
@@ -65,33 +67,52 @@ def simulate(rounds: int, seed: int) -> list[dict]:
     return out
 
 
-def program(steps: int, seed: int, out: Path) -> dict:
+def program_seed(steps: int, seed: int, out: Path) -> dict:
     by_race, commands = {}, {}
     for race in RACES:
-        shutil.rmtree(out / race, ignore_errors=True)
+        name = f"{race}-s{seed}"
+        shutil.rmtree(out / name, ignore_errors=True)
         cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "rollpacker.train",
-               "--config", "configs/tiny-cpu.yaml", f"run.output_dir={out}", f"run.name={race}", f"run.steps={steps}",
+               "--config", "configs/tiny-cpu.yaml", f"run.output_dir={out}", f"run.name={name}", f"run.steps={steps}",
                *(f"{k}={seed}" for k in ("run.seed", "data.seed", "rollout.seed")), f"scheduler.race={race}",
                "run.eval.every=0", "run.eval.before_train=false", "run.wandb=disabled", "run.save_every=0"]
         print("+", shlex.join(cmd), flush=True)
-        with (out / f"{race}.log").open("w") as log:
+        with (out / f"{name}.log").open("w") as log:
             subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-        rows = [json.loads(line) for line in (out / race / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         by_race[race] = short_means([{"kind": r["round"], "rollout_s": r["time/rollout_s"],
                                       "generated_tokens": r["generated_tokens"]} for r in rows if "round" in r])
         commands[race] = shlex.join(cmd)
-    result = {"steps": steps, "commands": commands, **by_race, **ratios(by_race)}
-    print(f"program on this CPU: short round {by_race['first_finished']['short_rollout_s']:.2f} -> "
+    result = {"seed": seed, "commands": commands, **by_race, **ratios(by_race)}
+    print(f"program on this CPU, seed {seed}: short round {by_race['first_finished']['short_rollout_s']:.2f} -> "
           f"{by_race['deterministic']['short_rollout_s']:.2f} s ({result['rollout_s_ratio']:.3f}x), generated tokens "
           f"{result['generated_tokens_ratio']:.3f}x", flush=True)
     return result
+
+
+def program(steps: int, seeds: list[int], out: Path) -> dict:
+    """Each seed once per race; the ratios' mean and 95% t-interval over seeds (runs of one seed are
+    a pair: the same data order and sampling seeds, different kept prompts)."""
+    runs = [program_seed(steps, seed, out) for seed in seeds]
+    summary = {"steps": steps, "seeds": seeds, "runs": runs}
+    for key in ("short_rollout_s", "short_generated_tokens"):
+        base = {r["seed"]: r["first_finished"][key] for r in runs}
+        diff = paired_difference(base, {r["seed"]: r["deterministic"][key] for r in runs})
+        summary[f"{key}_difference"] = diff
+        summary[f"{key}_ratio"] = statistics.fmean(r["deterministic"][key] for r in runs) / statistics.fmean(
+            base.values())
+        print(f"program {key}: deterministic - first_finished {diff['mean']:+.3f} "
+              f"[{diff['low']:+.3f}, {diff['high']:+.3f}] over seeds {seeds}; ratio of means "
+              f"{summary[f'{key}_ratio']:.3f}", flush=True)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10, help="simulated rounds per race (10 = two cycles)")
     parser.add_argument("--steps", type=int, default=10, help="program steps per race")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="the simulated trace's")
+    parser.add_argument("--seeds", default="1,2,3", help="the program's, one run per race each")
     parser.add_argument("--skip-program", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("/tmp/race"))
     parser.add_argument("--results", default=str(REPO_ROOT / "bench/results/race.json"))
@@ -99,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"seed": args.seed, "simulated": simulate(args.rounds, args.seed)}
     if not args.skip_program:
-        payload["program"] = program(args.steps, args.seed, args.out)
+        payload["program"] = program(args.steps, [int(x) for x in args.seeds.split(",")], args.out)
     write_results(args.results, payload)
     return 0
 
