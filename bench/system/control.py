@@ -104,8 +104,10 @@ def trace_for(engines: int, rounds: int, seed: int):
 
 
 def scheduler_for(engines: int, trace) -> Scheduler:
+    # the wall-clock race: its replayed engines report no per-request progress (the deterministic race's
+    # control-plane cost at scale is not measured here)
     cfg = SchedulerConfig(mode="tail_batching", p0=2 * engines, r0=R0, eta_p=1.0, eta_r=RESPONSES / R0,
-                          planner=PlannerConfig(enabled=False))
+                          planner=PlannerConfig(enabled=False), race="first_finished")
     prompts = [Prompt(uid=i, input_ids=[TOKENS[j % 64] for j in range(p.prompt_length)], data_source=TASK_NAME,
                       ground_truth="7") for i, p in enumerate(trace)]
     return Scheduler(cfg, RolloutConfig(tp=1, max_response_length=LIMIT), ListPromptSource(prompts),

@@ -161,6 +161,7 @@ class GroupRace:
         self._counts0: tuple[int, int] | None = None  # the engine's counters at the round's first launch
         self._busy, self._peak, self._last = 0.0, 0, clock.now()
         self._launched = 0
+        self._logical = False  # a group of the deterministic race was launched: floors are news
         self._told: tuple[Mark | None, int] = (None, 0)  # (floor, launched) as last told
 
     # --- the coordinator's calls -------------------------------------------------------------------
@@ -189,6 +190,7 @@ class GroupRace:
         self.engine.submit([request for _, _, request in requests])
         self._account()
         self._launched += len(placed)
+        self._logical = self._logical or any(g.logical for g in groups)
         for group in placed:
             self._groups[group.launch.key] = group
             self._spans[group.launch.key] = group.spans
@@ -217,7 +219,7 @@ class GroupRace:
         news, self._news = self._news, RaceNews()
         news.open = len(self._requests)
         news.floor, news.launched = floor, self._launched
-        news.moved = (floor, self._launched) != self._told
+        news.moved = self._logical and (floor, self._launched) != self._told
         self._told = (floor, self._launched)
         return news
 

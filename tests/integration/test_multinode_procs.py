@@ -43,7 +43,11 @@ TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 STEPS = ["run.steps=6", "run.save_every=1", "run.keep_checkpoints=10", "run.verify_sync=true", "run.wandb=disabled",
          # no profile rows: the planner starts long rounds at long_tp=2, one TP-2 engine per node
-         "scheduler.planner.profile=[]"]
+         "scheduler.planner.profile=[]",
+         # the stream feed that sends each group to the first free replica, so that node 1's ranks are
+         # sure to stream-train (under the deterministic race a replica gets only its own groups, in
+         # prompt order: with 4 replicas and 4 groups it may get none before the rollout ends)
+         "scheduler.race=first_finished"]
 STOP_PROGRAM = REPO_ROOT / "tests" / "dist" / "train_stop_at.py"  # rollpacker.train, one rank stopping itself
 
 
