@@ -161,6 +161,8 @@ class RoundRunner:
     def _keep_marked(self) -> None:
         """Logical: keep reported groups, least mark first, while none an engine still races could
         come before them (and none waits to be placed)."""
+        if not self.marked:  # the wall-clock race's rounds: nothing to ask the engines' floors
+            return
         floor = self.driver.floor()
         while self.marked and not self._closed() and not self.waiting and (floor is None or self.marked[0][0] < floor):
             self._settle(heapq.heappop(self.marked)[1])
