@@ -331,6 +331,8 @@ class GroupRace:
     def _settle(self) -> Mark | None:
         """The deterministic race: complete each group whose r0 shortest responses are certain and
         scored; returns the least mark an open group could still get (None: none is open)."""
+        if not self._logical:  # the wall-clock race: nothing to settle on its engines' hot loop
+            return None
         groups = [g for g in self._groups.values() if g.launch.logical]
         running = [g.launch.request_id(r) for g in groups for r in g.open]
         made = dict(zip(running, self.engine.progress(running))) if running else {}
