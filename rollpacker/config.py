@@ -116,10 +116,6 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
             f"{src}: run.verify_sync=true needs an engine that can read its weights back, which "
             "rollout.backend=sglang cannot; set run.verify_sync=false (the trainer's train/logprob_mismatch "
             "against the engine's log-probs shows a weight sync that did not land)")
-    if cfg.scheduler.race == "deterministic" and cfg.rollout.backend == "sglang":
-        raise ConfigError(
-            f"{src}: scheduler.race=deterministic reads how many tokens each running response has generated, "
-            "which rollout.backend=sglang does not report; use scheduler.race=first_finished (or auto)")
     model_parallel = t.tp * t.pp * t.cp
     if world_size % model_parallel:
         raise ConfigError(

@@ -58,6 +58,7 @@ from typing import Any, Callable
 import torch
 
 from bench.gpu import attention_checks as attention
+from bench.gpu import race_checks as race
 from bench.gpu import rollout_checks as rollout
 from bench.gpu import sglang_checks as sglang
 from bench.gpu import trainer_checks as trainer
@@ -226,6 +227,7 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
                 micro_batches=sizes.throughput_micro_batches, shape=sizes.widths, name=sizes.widths_name,
                 profile=profile(sizes.widths_name))),
         "attention/packed_kernels": lambda: attention.check_packed_kernels(device),
+        "policy/sglang_race_ledger": lambda: race.check_race_ledger(subjects[0]),
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
@@ -255,6 +257,9 @@ def check_names(device: torch.device) -> list[str]:
             + [f"{sizes.widths_name}/trainer_throughput"]
             # the one-call kernels have no CPU backward (tests/unit/test_packed_attention.py covers the rest)
             + (["attention/packed_kernels"] if device.type == "cuda" else [])
+            # sglang reads the seed only with deterministic inference, a GPU mode (on CPU:
+            # tests/integration/test_sglang_real.py's race check, with replayed lengths)
+            + (["policy/sglang_race_ledger"] if device.type == "cuda" else [])
             + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching",
                "program/replay_baseline_vs_tail_batching", "program/sglang_replay_baseline_vs_tail_batching"])
 

@@ -65,6 +65,9 @@ GPU_BUDGETS_S = {
     # s: sglang's processes, CUDA graphs; the RoPE kernel is compiled by then) and releases, resumes
     # and pushes weights to it every step: ~190 s
     "program/sglang_baseline_vs_tail_batching": 250,
+    # estimate: an sglang start for the tiny policy (~30-40 s, the RoPE kernel compiled by then), two
+    # runs of 3 short rounds and the long rounds between them at P0=8, R0=4, 128 tokens (~10 s each)
+    "policy/sglang_race_ledger": 120,
     # estimate: two runs of 5 steps at P0=32, R0=8 on the 0.5B shape with replayed lengths (limit 1,024,
     # median 37): a baseline step decodes ~1,000 steps at ~10 ms, ~10 s; torchrun and model load ~40 s each
     "program/replay_baseline_vs_tail_batching": 200,
@@ -127,10 +130,12 @@ class Step:
 def priority(names: list[str], shape: str, widths: str) -> list[str]:
     """``names`` (the acceptance checks) in the order the call runs them: SGLang on the device (the
     engine check: KV, greedy parity, weight push and parity after it, release/resume, one engine
-    start), the program on SGLang, the trainer's MFU at 7B widths and on the 0.5B shape; then what no
+    start), the program on SGLang, the deterministic race's ledger twice on SGLang, the trainer's MFU
+    at 7B widths and on the 0.5B shape; then what no
     GPU has run yet or what changed since its last GPU run; then the rest in their own order."""
     engine = f"{shape}/sglang_engine" if f"{shape}/sglang_engine" in names else "policy/sglang_engine"
-    first = [engine, "program/sglang_baseline_vs_tail_batching", f"{widths}/trainer_throughput",
+    first = [engine, "program/sglang_baseline_vs_tail_batching", "policy/sglang_race_ledger",
+             f"{widths}/trainer_throughput",
              f"{shape}/trainer_throughput", "attention/packed_kernels", f"{shape}/sglang_throughput",
              f"{shape}/offload_and_optimizer_state", "policy/sglang_engine"]
     first = [n for n in dict.fromkeys(first) if n in names]

@@ -76,6 +76,13 @@ class RolloutConfig:
     # each response as long as a trace says, stop tokens ignored: a timing tool (rollpacker.rollout.replay)
     length_replay: ReplayConfig = field(default_factory=ReplayConfig)
 
+    @property
+    def seeded(self) -> bool:
+        """The engines sample each response from its own seed alone, so its length does not depend
+        on the machine's timing: the reference engine (and the trainer-matched one) always, sglang
+        only with deterministic inference (its sampler reads ``sampling_seed`` only then)."""
+        return self.backend == "reference" or self.sglang_deterministic_inference
+
     def validate(self) -> None:
         if self.tp < 1 or self.tp & (self.tp - 1):
             raise ConfigError(f"tp must be a power of two >= 1, got {self.tp}")

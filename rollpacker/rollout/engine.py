@@ -82,6 +82,10 @@ class GenerationRequest:
     ``max_new_tokens``, are part of the completion's output and consume the
     first draws of the request's seeded sampling stream, so a migrated request
     samples as if it had never moved.
+
+    ``report_progress``: ``RolloutEngine.progress`` will be asked about it (the deterministic race's
+    requests); an engine that must stream a request's tokens to count them (SGLang) does so only
+    for these.
     """
 
     request_id: str
@@ -89,6 +93,7 @@ class GenerationRequest:
     params: SamplingParams
     resume_ids: Sequence[int] = ()
     resume_logprobs: Sequence[float] = ()
+    report_progress: bool = False
 
     def resumed_from(self, partial: "Completion") -> "GenerationRequest":
         """This request continued after ``partial`` (an ``evict`` result) on another engine."""
@@ -206,8 +211,10 @@ class RolloutEngine(abc.ABC):
         """Requests submitted and neither finished, polled nor aborted."""
 
     def progress(self, request_ids: Sequence[str]) -> list[int]:
-        """Tokens each active request has generated so far (a finished, unpolled one: all of them).
-        The deterministic race reads it to know when no running response can still beat a mark."""
+        """For each active request, how many tokens it had generated when last seen unfinished, so
+        its final length is more than that (a finished, unpolled one: one less than its length). A
+        count may lag, never lead. The deterministic race reads it to know when no running response
+        can still beat a mark; asked only of requests submitted with ``report_progress``."""
         raise NotImplementedError(f"{type(self).__name__} does not report its requests' progress")
 
     @abc.abstractmethod

@@ -78,7 +78,7 @@ class InProcessEngine(RolloutEngine):
                 + [c.request_id for c in self._done])
 
     def progress(self, request_ids: Sequence[str]) -> list[int]:
-        generated = {c.request_id: len(c.output_ids) for c in self._done}
+        generated = {c.request_id: len(c.output_ids) - 1 for c in self._done}
         generated.update((r.req.request_id, len(r.output_ids)) for r in self._waiting)
         generated.update(zip([r.req.request_id for r in self._running], self._running_generated()))
         return [generated[i] for i in request_ids]

@@ -294,6 +294,9 @@ class SGLangEngine(RolloutEngine):
     def abort(self, request_ids: Iterable[str]) -> None:
         self._leader("abort", list(request_ids))
 
+    def progress(self, request_ids: Sequence[str]) -> list[int]:
+        return self._leader("progress", list(request_ids))
+
     def abort_all(self) -> None:
         self._leader("abort_all")
 

@@ -153,6 +153,10 @@ class SGLangDriver:
         self._aborted: set[str] = set()
         self._evicting: set[str] = set()
         self._resumed: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}  # continuation prefixes
+        # Requests submitted with report_progress: [tokens generated so far, resumed ones included].
+        # The loop thread writes the cell from sglang's stream; a request that leaves drops its cell
+        # here, so a late write lands in a cell nobody reads.
+        self._made: dict[str, list[int]] = {}
         self._results: queue.Queue[Completion | _Failure] = queue.Queue()
         # Requests sent to sglang whose result has not come back yet, aborted ones included: sglang
         # holds them (and so is not idle) until then. Changed on the loop thread, waited on by callers.
@@ -172,6 +176,8 @@ class SGLangDriver:
                 refused.append(r.request_id)
                 continue
             self._active[r.request_id] = time.monotonic()
+            if r.report_progress:
+                self._made[r.request_id] = [len(r.resume_ids)]
             with self._returned:
                 self._in_sglang.add(r.request_id)
             self._loop.run(self._generate(r, self._active[r.request_id]))
@@ -193,10 +199,10 @@ class SGLangDriver:
                 self._aborted.discard(item.request_id)
             elif isinstance(item, _Failure):
                 failures.append(item)
-                self._active.pop(item.request_id, None)
+                self._forget(item.request_id)
             else:
                 done.append(item)
-                self._active.pop(item.request_id, None)
+                self._forget(item.request_id)
                 self._stats.tokens_generated += len(item.output_ids)
         if failures:  # the completions are not lost: they come back with the next poll, which a ring wakes
             for c in done:
@@ -207,7 +213,7 @@ class SGLangDriver:
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for rid in [r for r in request_ids if r in self._active]:
-            del self._active[rid]
+            self._forget(rid)
             self._aborted.add(rid)
             self._loop.call(lambda rid=rid: self._call("TokenizerManager.abort_request", rid=rid, abort_all=False))
 
@@ -215,6 +221,7 @@ class SGLangDriver:
         if self._active:
             self._aborted.update(self._active)
             self._active.clear()
+            self._made.clear()
             self._loop.call(lambda: self._call("TokenizerManager.abort_request", rid="", abort_all=True))
 
     def evict(self, request_ids: Iterable[str], timeout_s: float = 60.0) -> list[Completion]:
@@ -234,7 +241,8 @@ class SGLangDriver:
                     others.append(item)
                     continue
                 self._evicting.discard(item.request_id)
-                submitted_at = self._active.pop(item.request_id)
+                submitted_at = self._active[item.request_id]
+                self._forget(item.request_id)
                 if isinstance(item, _Failure):  # nothing came back: only what it resumed from survives
                     prefix_ids, prefix_lps = self._resumed.pop(item.request_id, ((), ()))
                     item = Completion(item.request_id, list(prefix_ids), list(prefix_lps), FINISH_EVICTED,
@@ -250,6 +258,16 @@ class SGLangDriver:
 
     def active_request_ids(self) -> list[str]:
         return list(self._active)
+
+    def progress(self, request_ids: Sequence[str]) -> list[int]:
+        """Tokens generated as of sglang's last chunk that found the request unfinished (it streams
+        every ``stream_interval`` decode steps: a count lags by less than that, never leads; a
+        request that finished meanwhile keeps its last unfinished count)."""
+        missing = [rid for rid in request_ids if rid not in self._made]
+        if missing:
+            raise KeyError(f"engine {self.engine_id}: no progress for requests {missing[:4]}: not in flight or "
+                           f"not submitted with report_progress")
+        return [self._made[rid][0] for rid in request_ids]
 
     # ---- control plane -------------------------------------------------------------------------
     def begin_weights(self) -> None:
@@ -352,10 +370,20 @@ class SGLangDriver:
         if r.resume_ids:
             self._resumed[r.request_id] = (tuple(r.resume_ids), tuple(r.resume_logprobs))
         params = dataclasses.replace(r.params, max_new_tokens=r.params.max_new_tokens - len(r.resume_ids))
+        call = dict(input_ids=[*r.input_ids, *r.resume_ids], sampling_params=sampling_params(params),
+                    return_logprob=True, rid=r.request_id)
         try:
-            out = await self._call("Engine.async_generate", input_ids=[*r.input_ids, *r.resume_ids],
-                                   sampling_params=sampling_params(params), return_logprob=True,
-                                   rid=r.request_id)
+            if r.report_progress:
+                # sglang's stream (not incremental: each chunk holds the output so far, the last one
+                # all of it, as unstreamed) costs a message per chunk: only requests that are counted
+                out, made = None, self._made.get(r.request_id, [0])
+                async for out in await self._call("Engine.async_generate", **call, stream=True):
+                    if out["meta_info"]["finish_reason"] is None:  # still running after these tokens
+                        made[0] = len(r.resume_ids) + int(out["meta_info"]["completion_tokens"])
+                if out is None:
+                    raise RuntimeError("sglang's stream ended without output")
+            else:
+                out = await self._call("Engine.async_generate", **call)
             c = completion(r.request_id, out, submitted_at, self.engine_id)
             prefix_ids, prefix_lps = self._resumed.pop(r.request_id, ((), ()))
             c.output_ids, c.logprobs = [*prefix_ids, *c.output_ids], [*prefix_lps, *c.logprobs]
@@ -372,6 +400,11 @@ class SGLangDriver:
             with self._returned:
                 self._in_sglang.discard(r.request_id)
                 self._returned.notify_all()
+
+    def _forget(self, request_id: str) -> None:
+        """The request left ``_active``: returned by ``poll`` or ``evict``, or aborted."""
+        self._active.pop(request_id, None)
+        self._made.pop(request_id, None)
 
     def _result(self, item: Completion | _Failure) -> None:
         """A request's result, for the next ``poll``; the rank's doorbell rings (a full pipe already rings)."""

@@ -76,7 +76,7 @@ class Run:
                                       local_size=world.local_size, group=world.control)
         # The deterministic race fixes which prompts a round trains; a streamed step must then also fix
         # which replica trains each and in what order, whatever the split the hand-off's timing made.
-        self.fixed_assignment = cfg.trainer.stream and cfg.scheduler.races_by_length(cfg.rollout.backend)
+        self.fixed_assignment = cfg.trainer.stream and cfg.scheduler.races_by_length(cfg.rollout.seeded)
         self.rollout_phase = RolloutPhase(self.engines, scheduler=scheduler, reward=self.node_reward.sink,
                                           replica_of=replica_of, engine_wait_s=cfg.scheduler.idle_poll_s,
                                           trigger=(cfg.trainer.stream_trigger_low, cfg.trainer.stream_trigger_high),

@@ -111,20 +111,22 @@ class SchedulerConfig:
     # How a short round decides which prompts finished first (rollpacker/scheduler/group_race.py):
     # deterministic: by response lengths in tokens, so a run is reproducible from its config and seed
     #   whatever the machine's timing; the round waits until no running response can still beat the
-    #   kept ones (the extra tokens are its cost, bench/system/race.py). Needs engines that report
-    #   progress (the reference and trainer-matched engines, the simulator's); not dynamic_sampling.
+    #   kept ones (the extra tokens are its cost, bench/system/race.py). The lengths themselves are
+    #   reproducible only where the engine samples from each request's seed (RolloutConfig.seeded:
+    #   sglang needs rollout.sglang_deterministic_inference). Not in dynamic_sampling.
     # first_finished: by the wall clock (reward latency included): no waiting, but which prompts train
     #   when, and so the weights, change with the machine's timing.
-    # auto: deterministic with the reference engine on a real clock; first_finished with SGLang (it
-    #   does not report progress), in dynamic_sampling and on the simulator's virtual clock (which
-    #   is reproducible already).
+    # auto: deterministic on a real clock with seeded engines; first_finished with unseeded SGLang
+    #   (its lengths vary run to run anyway), in dynamic_sampling and on the simulator's virtual
+    #   clock (which is reproducible already).
     race: Literal["auto", "deterministic", "first_finished"] = "auto"
 
-    def races_by_length(self, backend: str, *, virtual_clock: bool = False) -> bool:
-        """Whether ``race`` resolves to the deterministic race for this rollout backend and clock."""
+    def races_by_length(self, seeded: bool, *, virtual_clock: bool = False) -> bool:
+        """Whether ``race`` resolves to the deterministic race, with engines that sample from each
+        request's seed (``seeded``, ``RolloutConfig.seeded``) or not, on the simulator's clock or not."""
         if self.race != "auto":
             return self.race == "deterministic"
-        return backend == "reference" and self.mode != "dynamic_sampling" and not virtual_clock
+        return seeded and self.mode != "dynamic_sampling" and not virtual_clock
 
     def validate(self) -> None:
         if self.p0 < 1 or self.r0 < 1:

@@ -184,7 +184,8 @@ class GroupRace:
             input_ids = array.array("i", g.prompt.input_ids)  # once for all its responses: cheap to ship
             for r in g.indices:
                 if r not in carried:
-                    request = GenerationRequest(g.request_id(r), input_ids, g.params.with_seed(g.seed(r)))
+                    request = GenerationRequest(g.request_id(r), input_ids, g.params.with_seed(g.seed(r)),
+                                                report_progress=g.logical)
                     requests.append((group, r, request.resumed_from(g.partial[r]) if r in g.partial else request))
             placed.append(group)
         self.engine.submit([request for _, _, request in requests])

@@ -68,7 +68,7 @@ class Scheduler:
         self.policy = make_policy(cfg, HistoryAdmission(cfg, self.history) if self.history is not None else FreshAdmission(cfg))
         self.queue = LongPromptQueue()
         self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
-        self._backend = rollout.backend
+        self._seeded = rollout.seeded
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._pending: RoundPlan | None = None
 
@@ -131,7 +131,7 @@ class Scheduler:
 
     def races_by_length(self, fleet: Fleet) -> bool:
         """Whether rounds on ``fleet`` run the deterministic race (``SchedulerConfig.race``)."""
-        return self.cfg.races_by_length(self._backend, virtual_clock=isinstance(fleet.clock, VirtualClock))
+        return self.cfg.races_by_length(self._seeded, virtual_clock=isinstance(fleet.clock, VirtualClock))
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:

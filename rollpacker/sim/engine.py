@@ -115,7 +115,7 @@ class SimEngine(RolloutEngine):
 
     def progress(self, request_ids: Sequence[str]) -> list[int]:
         self._advance(self.clock.now())
-        generated = {c.request_id: len(c.output_ids) for c in self._done}
+        generated = {c.request_id: len(c.output_ids) - 1 for c in self._done}
         generated.update((r.rid, r.generated) for r in self.waiting)
         generated.update((rid, r.generated + self.step - r.admit_step) for rid, r in self.running.items())
         return [generated[i] for i in request_ids]

@@ -93,8 +93,9 @@ def test_every_check_has_a_budget_and_the_sglang_checks_come_first():
     for device, budgets in (("cuda", GPU_BUDGETS_S), ("cpu", CPU_BUDGETS_S)):
         assert set(budgets) == set(check_names(torch.device(device))), device
     gpu = priority(check_names(torch.device("cuda")), "qwen2.5-0.5b-shape", "qwen2.5-7b-widths-4l")
-    assert gpu[:4] == ["qwen2.5-0.5b-shape/sglang_engine", "program/sglang_baseline_vs_tail_batching",
-                       "qwen2.5-7b-widths-4l/trainer_throughput", "qwen2.5-0.5b-shape/trainer_throughput"]
+    assert gpu[:5] == ["qwen2.5-0.5b-shape/sglang_engine", "program/sglang_baseline_vs_tail_batching",
+                       "policy/sglang_race_ledger", "qwen2.5-7b-widths-4l/trainer_throughput",
+                       "qwen2.5-0.5b-shape/trainer_throughput"]
     assert sorted(gpu) == sorted(check_names(torch.device("cuda")))
     cpu = priority(check_names(torch.device("cpu")), "tiny-random", "tiny-widths")
     assert cpu[:4] == ["policy/sglang_engine", "program/sglang_baseline_vs_tail_batching",

@@ -36,7 +36,7 @@ def run_in_venv(cmd: list[str], what: str, timeout: float) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def engine_checks(sglang_venv_python) -> tuple[subprocess.CompletedProcess, dict]:
-    """One run of ``host_checks.py`` (its docstring says what runs where) for the three tests below:
+    """One run of ``host_checks.py`` (its docstring says what runs where) for the four tests below:
     a torchrun worker pair, as launch/train.sh starts the trainer (c10d rendezvous, which sets
     TORCHELASTIC_USE_AGENT_STORE in every worker)."""
     cmd = [str(sglang_venv_python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -99,6 +99,22 @@ def test_backend_on_real_engine_under_torchrun(engine_checks):
                             "aborted_requests_never_surface", "greedy_after_release_resume_matches_transformers",
                             "doorbell_rings_once_a_request_finishes", "evicted_then_resumed_equals_greedy",
                             "backend_length_replay_is_exact"}
+
+
+def test_deterministic_race_on_real_engine(engine_checks):
+    """``scheduler.race: deterministic`` over the real engine: ``progress`` counts come from sglang's
+    stream (rising while a request decodes, below its final length, a resumed request starting at
+    its tokens); short rounds with replayed lengths keep exactly the groups an oracle computes from
+    those lengths, and a rerun whose scores arrive after random delays keeps the same groups with
+    the same responses (race_checks.py)."""
+    verdict = checked(engine_checks, "race")
+    print("progress counts (every 4th read):", verdict.get("progress_streamed_counts"))
+    print("kept (uid, epoch, responses) and deferred uids per short round:", verdict.get("race_ledger"))
+    assert_all_true({k: v for k, v in verdict.items() if k not in ("progress_streamed_counts", "race_ledger")})
+    assert set(verdict) >= {"progress_requests_finish", "progress_rises_while_decoding",
+                            "progress_never_reaches_the_final_length", "progress_of_a_resumed_request_starts_at_its_tokens",
+                            "progress_refused_for_unstreamed_requests", "race_keeps_the_oracles_groups",
+                            "race_same_ledger_with_delayed_scores"}
 
 
 def test_engine_hosts_on_real_engines(engine_checks):

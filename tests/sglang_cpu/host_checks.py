@@ -11,6 +11,8 @@ shares it. As ``EngineSets`` builds them, rank 0 leads a TP-1 engine and the TP-
   its process): ``sglang.Engine`` driven directly, ``engine_checks.check_engine``;
 - ``backend`` (rank 0's TP-1 engine, first in its life): it starts in a c10d torchrun worker,
   then ``engine_checks.check_backend`` and ``lifecycle_checks``;
+- ``race`` (the same engine, next): the deterministic race's progress counts and short rounds,
+  ``race_checks``;
 - ``hosts`` (rank 0, after ``backend``):
   - each engine runs in a host process of its own (sglang keeps one live config per process),
     and after a weight push to each, both generate what transformers does with the pushed weights
@@ -22,7 +24,8 @@ shares it. As ``EngineSets`` builds them, rank 0 leads a TP-1 engine and the TP-
   - a dead sglang scheduler makes ``poll(None)`` raise ``EngineDiedError`` instead of waiting forever.
 
 A section whose checks raise gets ``crashed`` (the traceback) and the next one still runs. The
-last stdout line of rank 0 is ``VERDICT {json}``: ``reference``, ``engine``, ``backend``, ``hosts``.
+last stdout line of rank 0 is ``VERDICT {json}``: ``reference``, ``engine``, ``backend``, ``race``,
+``hosts``.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ import torch.distributed as dist
 from engine_checks import (CPU_ENGINE_ARGS, STALL_DUMP_ENV, STALLS, Reference, backend_generate, check_backend,
                            check_engine, compare, reference)
 from lifecycle_checks import start_under_torchrun
+from race_checks import race_checks
 
 DEATH_TIMEOUT_S = 60  # the host's watch notices a dead sglang process within about a second
 IDLE_S, IDLE_CPU_SHARE = 2.0, 0.25  # an idle engine's process may use a quarter of a core (it uses ~1%)
@@ -236,6 +240,7 @@ def main(model_dir: Path, base_port: int) -> dict | None:
         if rank == 0:
             tp1, tp2 = engines
             section(verdict, "backend", lambda part: check_backend(tp1, ref, part))
+            section(verdict, "race", lambda part: part.update(race_checks(tp1, ref.prompts)))
             section(verdict, "hosts", lambda part: part.update(host_checks(ref, tp1, tp2)))
     finally:
         dist.barrier()

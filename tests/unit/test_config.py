@@ -134,10 +134,11 @@ def test_base_file_is_read_first_and_overridden_section_by_section(tmp_path):
 
 def test_the_race_resolves_per_backend_and_refuses_what_it_cannot_run(model_dir):
     tiny, gpu = _cfg(model_dir), load_config(CONFIGS / "qwen2.5-7b.yaml")
-    assert tiny.scheduler.races_by_length(tiny.rollout.backend)  # auto: the reference engine reports progress
-    assert not gpu.scheduler.races_by_length(gpu.rollout.backend)  # auto: SGLang does not
-    assert not tiny.scheduler.races_by_length("reference", virtual_clock=True)  # the simulator: reproducible already
-    with pytest.raises(ConfigError, match="scheduler.race=deterministic reads how many tokens"):
-        check_layout(_cfg(model_dir, "scheduler.race=deterministic", "rollout.backend=sglang"), 2)
+    assert tiny.rollout.seeded and tiny.scheduler.races_by_length(tiny.rollout.seeded)  # auto: the reference engine
+    assert not gpu.rollout.seeded and not gpu.scheduler.races_by_length(gpu.rollout.seeded)  # auto: unseeded SGLang
+    gpu.rollout.sglang_deterministic_inference = True  # sglang's sampler reads the seed: reproducible lengths
+    assert gpu.rollout.seeded and gpu.scheduler.races_by_length(gpu.rollout.seeded)
+    assert not tiny.scheduler.races_by_length(True, virtual_clock=True)  # the simulator: reproducible already
+    check_layout(_cfg(model_dir, "scheduler.race=deterministic", "rollout.backend=sglang"), 2)  # SGLang streams progress
     with pytest.raises(ConfigError, match="race=deterministic does not run dynamic_sampling"):
         _cfg(model_dir, "scheduler.race=deterministic", "scheduler.mode=dynamic_sampling")
