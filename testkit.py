@@ -30,6 +30,13 @@ _RANDOM_FAMILIES = {
         vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=False, torch_dtype="float32")),
+    # Qwen3's attention; 8 experts of width 32, top-2 renormalised, the middle layer of 3 dense
+    # (mlp_only_layers) so that both kinds of layer are converted and run.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=250, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.001, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="float32")),
 }
 
 
@@ -38,7 +45,8 @@ def make_random_checkpoint(path: str | Path, family: str, *, seed: int = 0, **ov
 
     ``overrides``: config keys over the family's defaults (:data:`_RANDOM_FAMILIES`).
     Biases and norm weights (which HF initialises to 0 and 1) get noise, so that parity
-    checks would see them mis-loaded.
+    checks would see them mis-loaded; a router's weights are scaled up, so that its top-k choices
+    are clear of near-ties that rounding alone could flip between implementations.
     """
     import torch
     import transformers
@@ -51,6 +59,8 @@ def make_random_checkpoint(path: str | Path, family: str, *, seed: int = 0, **ov
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -65,6 +75,11 @@ def make_random_qwen2(path: str | Path, *, seed: int = 0, **overrides) -> Path:
 def make_random_qwen3(path: str | Path, *, seed: int = 0, **overrides) -> Path:
     """A random Qwen3 dense checkpoint (see :func:`make_random_checkpoint`)."""
     return make_random_checkpoint(path, "qwen3", seed=seed, **overrides)
+
+
+def make_random_qwen3_moe(path: str | Path, *, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3-MoE checkpoint (see :func:`make_random_checkpoint`)."""
+    return make_random_checkpoint(path, "qwen3_moe", seed=seed, **overrides)
 
 
 def run_in_session(cmd: list[str], *, timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:

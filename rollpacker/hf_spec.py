@@ -1,8 +1,11 @@
 """The architecture facts of an HF ``config.json`` of a supported family, validated once.
 
-Supported families (``model_type``): ``qwen2`` (Qwen2/Qwen2.5: bias on Q/K/V) and
+Supported families (``model_type``): ``qwen2`` (Qwen2/Qwen2.5: bias on Q/K/V),
 ``qwen3`` (Qwen3 dense: no QKV bias, RMSNorm over each query and key head before
-RoPE, ``head_dim`` independent of ``hidden_size / num_attention_heads``). Both model
+RoPE, ``head_dim`` independent of ``hidden_size / num_attention_heads``) and
+``qwen3_moe`` (Qwen3-MoE: Qwen3's attention; in its sparse layers a softmax router
+picks ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts, their weights
+renormalised over the chosen ones when ``norm_topk_prob``; no shared expert). Both model
 implementations read their shapes from here: the Megatron-core model
 (``megatron_ext.model``) and the rollout engine's plain-PyTorch model
 (``rollpacker.rollout.qwen_torch``), so the two can never disagree on what a
@@ -35,18 +38,51 @@ class ModelSpec:
     initializer_range: float
     qkv_bias: bool  # q_proj/k_proj/v_proj carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm of queries and keys before RoPE: q_norm/k_norm of size head_dim (Qwen3)
+    # Mixture of experts (Qwen3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0  # num_experts_per_tok: the router's top-k
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the sparse layers (decoder_sparse_step, mlp_only_layers); others dense
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's coefficient in pretraining
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def check_tp(self, tp: int) -> None:
         """Refuse a TP size this model cannot be split over, naming the HF key at fault."""
         for key, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
-                           ("intermediate_size", self.intermediate_size)):
+                           ("intermediate_size", self.intermediate_size),
+                           *((("moe_intermediate_size", self.moe_intermediate_size),) if self.is_moe else ())):
             if value % tp:
                 raise ValueError(f"config.json: {key}={value} is not divisible by tensor-parallel size {tp}; "
                                  f"choose a TP size that divides it")
+
+    def check_ep(self, ep: int) -> None:
+        """Refuse an expert-parallel size this model cannot be split over."""
+        if ep > 1 and not self.is_moe:
+            raise ValueError(f"expert-parallel size {ep} needs a mixture-of-experts model; this "
+                             f"{self.model_type} model has no experts: set it to 1")
+        if self.is_moe and self.num_experts % ep:
+            raise ValueError(f"config.json: num_experts={self.num_experts} is not divisible by expert-parallel "
+                             f"size {ep}; choose an EP size that divides it")
+
+    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Layer ``layer``'s MLP tensors by HF name (below ``model.layers.{layer}.``)."""
+        h = self.hidden_size
+        if layer not in self.moe_layers:
+            i = self.intermediate_size
+            return {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        i, shapes = self.moe_intermediate_size, {"mlp.gate.weight": (self.num_experts, h)}
+        for e in range(self.num_experts):
+            shapes.update({f"mlp.experts.{e}.gate_proj.weight": (i, h), f"mlp.experts.{e}.up_proj.weight": (i, h),
+                           f"mlp.experts.{e}.down_proj.weight": (h, i)})
+        return shapes
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of the HF checkpoint, in the order :func:`megatron_ext.weights.iter_hf_tensors` yields."""
@@ -65,13 +101,8 @@ class ModelSpec:
             if self.qk_norm:
                 shapes.update({p + "self_attn.q_norm.weight": (self.head_dim,),
                                p + "self_attn.k_norm.weight": (self.head_dim,)})
-            shapes.update({
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate_size),
-            })
+            shapes.update({p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,)})
+            shapes.update({p + name: shape for name, shape in self.mlp_shapes(i).items()})
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
@@ -111,6 +142,7 @@ class _Family:
     qkv_bias: bool
     qk_norm: bool
     default_head_dim: int | None  # when config.json has no head_dim (None: hidden_size / num_attention_heads)
+    moe: bool = False
 
 
 # model_type -> family; a model_type not listed here is refused with this list.
@@ -118,6 +150,8 @@ FAMILIES = {
     "qwen2": _Family("Qwen2/Qwen2.5", qkv_bias=True, qk_norm=False, default_head_dim=None),
     # transformers' Qwen3Config defaults head_dim to 128 whatever the hidden size
     "qwen3": _Family("Qwen3 dense", qkv_bias=False, qk_norm=True, default_head_dim=128),
+    # transformers' Qwen3MoeAttention falls back to hidden_size / num_attention_heads
+    "qwen3_moe": _Family("Qwen3-MoE", qkv_bias=False, qk_norm=True, default_head_dim=None, moe=True),
 }
 
 
@@ -140,6 +174,7 @@ def parse_spec(hf_config: Mapping[str, Any] | str | Path) -> ModelSpec:
         raise ValueError(f"{where}: attention_bias=true is not supported for {family.name}; set it to false")
     if cfg.get("use_sliding_window", False):
         raise ValueError(f"{where}: use_sliding_window=true is not supported; set it to false")
+    moe = _moe_fields(cfg, where) if family.moe else {}
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
@@ -153,4 +188,31 @@ def parse_spec(hf_config: Mapping[str, Any] | str | Path) -> ModelSpec:
         rope_theta=_rope_theta(cfg, where), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         initializer_range=cfg.get("initializer_range", 0.02),
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **moe)
+
+
+def _moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields, validated; variants no model here implements are refused."""
+    # transformers 5 writes num_local_experts; the published checkpoints write num_experts
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts), ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size"))) if v is None]
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}")
+    top_k = cfg["num_experts_per_tok"]
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok={top_k} must be between 1 and num_experts={experts}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{where}: shared_expert_intermediate_size={cfg['shared_expert_intermediate_size']}: shared "
+                         "experts (Qwen2-MoE's) are not supported; Qwen3-MoE has none")
+    router = cfg.get("scoring_func", "softmax")
+    if router != "softmax" or cfg.get("topk_method", "greedy") != "greedy":
+        raise ValueError(f"{where}: scoring_func={router!r}, topk_method={cfg.get('topk_method')!r}: only "
+                         "Qwen3-MoE's softmax top-k router is supported")
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    if step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step={step} must be >= 1")
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers,
+                router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0)))

@@ -61,6 +61,10 @@ class TrainerConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # expert parallelism (mixture-of-experts models): each expert lives on one of ep ranks, which
+    # exchange tokens in every sparse layer; the experts themselves split over trainer.tp as dense
+    # layers do. ep must divide the model's num_experts and world_size / (tp * pp).
+    ep: int = 1
     lr: float = 1e-6
     # Linear warm-up: optimizer step k (from 1) runs at lr * min(1, k / lr_warmup_steps). Adam's
     # first bias-corrected updates move every weight by about lr whatever its gradient, so a fresh
@@ -105,7 +109,7 @@ class TrainerConfig:
         return self.lr * min(1.0, step / self.lr_warmup_steps) if self.lr_warmup_steps else self.lr
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
