@@ -1,4 +1,4 @@
-"""The training side's Megatron process-group layout (TP x CP x DP x PP).
+"""The training side's Megatron process-group layout (TP x CP x DP x PP, and EP for experts).
 
 This is the only module that touches Megatron's ``parallel_state`` globals:
 :func:`setup_layout` initialises them and returns a :class:`ParallelLayout` that
@@ -36,6 +36,12 @@ class ParallelLayout:
     pg_collection: ProcessGroupCollection  # what GPTModel is built with
     device: torch.device
     owns_default_group: bool  # a world of one created by setup_layout: teardown destroys it
+    # Expert parallelism: the ep ranks that hold different experts of one sparse layer, and the
+    # ranks that hold the same experts (the experts' data parallelism: world / (ep * tp * pp)).
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,8 +74,9 @@ def _init_default_group() -> bool:
     return False
 
 
-def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234) -> ParallelLayout:
-    """Initialise Megatron's groups for (tp, pp, cp); DP takes the remaining ranks.
+def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, ep: int = 1, seed: int = 1234) -> ParallelLayout:
+    """Initialise Megatron's groups for (tp, pp, cp); DP takes the remaining ranks. ``ep``: expert
+    parallelism for mixture-of-experts models (its experts split over tp as dense layers are).
 
     Initialises the default process group when the caller has not (gloo on CPU,
     nccl on GPU; a world of one outside torchrun), and seeds Megatron's RNG
@@ -78,17 +85,20 @@ def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234) -> 
     cpu_compat.apply()
     owns = _init_default_group()
     world = dist.get_world_size()
-    for name, size in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if size < 1:
             raise ValueError(f"setup_layout: {name} must be >= 1, got {size}")
     if world % (tp * pp * cp):
         raise ValueError(f"setup_layout: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide "
                          f"the world size {world}; launch a multiple of {tp * pp * cp} ranks")
+    if world % (tp * pp * ep):
+        raise ValueError(f"setup_layout: tp*pp*ep = {tp}*{pp}*{ep} = {tp * pp * ep} does not divide the world "
+                         f"size {world}; choose an ep that divides {world // (tp * pp)}")
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("setup_layout: a Megatron layout is already initialised; call teardown_layout first")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        create_gloo_process_groups=False)
+        expert_model_parallel_size=ep, create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     ps = parallel_state
     return ParallelLayout(
@@ -100,7 +110,8 @@ def setup_layout(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234) -> 
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"),
-        owns_default_group=owns)
+        owns_default_group=owns, ep=ep, ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(), expert_dp_group=ps.get_expert_data_parallel_group())
 
 
 def teardown_layout(layout: ParallelLayout) -> None:

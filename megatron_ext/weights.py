@@ -1,4 +1,4 @@
-"""Qwen2/Qwen3 weights between HF safetensors and a TP-sharded, PP-staged Megatron model.
+"""Qwen2/Qwen3/Qwen3-MoE weights between HF safetensors and a TP-sharded, PP-staged, EP-split Megatron model.
 
 Megatron fuses and shards tensors differently from HF:
 
@@ -14,12 +14,17 @@ Megatron fuses and shards tensors differently from HF:
   vocabulary; rows past the HF vocabulary are zero and dropped on export.
 * With tied embeddings the output layer reuses the embedding; under PP the
   last stage holds its own copy, loaded from the HF embedding and never exported.
+* A sparse (MoE) layer's router ``mlp.router`` is HF's ``mlp.gate``, replicated;
+  its experts ``mlp.experts.local_experts.{j}`` are HF's ``mlp.experts.{e}``
+  for the EP rank's global expert indices ``e``, each split over TP as a dense
+  MLP is. An export gathers every expert from the EP rank that holds it.
 
 Each model parameter is described once by a :class:`_Binding` (which HF
 tensors it is cut from and how); loading and exporting both walk the bindings.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from dataclasses import dataclass
@@ -55,6 +60,7 @@ class _Binding:
     kind: _Kind
     hf_names: tuple[str, ...]
     export: bool = True  # False for the last stage's copy of tied embeddings
+    expert: int | None = None  # a MoE expert's global index: held by one EP rank
 
 
 def unwrap(model: torch.nn.Module) -> QwenModel:
@@ -103,10 +109,19 @@ def _bindings(model: QwenModel) -> list[_Binding]:
             _Binding(_param(layer, "self_attention.linear_proj.weight"), _Kind.ROW, (attn + "o_proj.weight",)),
             _Binding(_param(layer, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
                      _Kind.REPLICATED, (p + "post_attention_layernorm.weight",)),
-            _Binding(_param(layer, "mlp.linear_fc1.weight"), _Kind.FC1,
-                     (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
-            _Binding(_param(layer, "mlp.linear_fc2.weight"), _Kind.ROW, (p + "mlp.down_proj.weight",)),
         ]
+        if layer.layer_number - 1 in spec.moe_layers:
+            out.append(_Binding(_param(layer, "mlp.router.weight"), _Kind.REPLICATED, (p + "mlp.gate.weight",)))
+            for j, e in enumerate(layer.mlp.local_expert_indices):
+                ours, theirs = f"mlp.experts.local_experts.{j}.", f"{p}mlp.experts.{e}."
+                out += [_Binding(_param(layer, ours + "linear_fc1.weight"), _Kind.FC1,
+                                 (theirs + "gate_proj.weight", theirs + "up_proj.weight"), expert=e),
+                        _Binding(_param(layer, ours + "linear_fc2.weight"), _Kind.ROW, (theirs + "down_proj.weight",),
+                                 expert=e)]
+        else:
+            out += [_Binding(_param(layer, "mlp.linear_fc1.weight"), _Kind.FC1,
+                             (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+                    _Binding(_param(layer, "mlp.linear_fc2.weight"), _Kind.ROW, (p + "mlp.down_proj.weight",))]
     if model.post_process:
         out.append(_Binding(model.decoder.final_layernorm.weight, _Kind.REPLICATED, ("model.norm.weight",)))
         if model.output_layer.weight is not None:  # None when tied and on the same stage as the embedding
@@ -279,25 +294,72 @@ def iter_hf_tensors(model: torch.nn.Module, layout: ParallelLayout) -> Iterator[
     spec = model.hf_spec
     local = [b for b in _bindings(model) if b.export]
     if layout.pp == 1:
-        for b in local:
-            yield from zip(b.hf_names, _gather_tp(b, layout.tp_group, spec))
+        yield from _stage_tensors(local, model, layout)
         return
     names_by_stage: list[list[str]] = [[] for _ in range(layout.pp)]
-    dist.all_gather_object(names_by_stage, [n for b in local for n in b.hf_names], group=layout.pp_group)
+    dist.all_gather_object(names_by_stage, _stage_names(local, spec), group=layout.pp_group)
     shapes, dtype = spec.hf_shapes(), model.config.params_dtype
     for stage, names in enumerate(names_by_stage):
         src = dist.get_global_rank(layout.pp_group, stage)
         if stage == layout.pp_rank:
-            for b in local:
-                for name, tensor in zip(b.hf_names, _gather_tp(b, layout.tp_group, spec)):
-                    tensor = tensor.contiguous()
-                    dist.broadcast(tensor, src, group=layout.pp_group)
-                    yield name, tensor
+            for name, tensor in _stage_tensors(local, model, layout):
+                tensor = tensor.contiguous()
+                dist.broadcast(tensor, src, group=layout.pp_group)
+                yield name, tensor
         else:
             for name in names:
                 tensor = torch.empty(shapes[name], dtype=dtype, device=layout.device)
                 dist.broadcast(tensor, src, group=layout.pp_group)
                 yield name, tensor
+
+
+def _expert_names(spec: ModelSpec, layer: int, expert: int) -> list[str]:
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return [p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"]
+
+
+def _layer_of(b: _Binding) -> int:
+    return int(b.hf_names[0].split(".")[2])
+
+
+def _stage_names(local: list[_Binding], spec: ModelSpec) -> list[str]:
+    """The HF names :func:`_stage_tensors` yields, in its order: a sparse layer's every expert."""
+    names: list[str] = []
+    for is_expert, group in itertools.groupby(local, key=lambda b: b.expert is not None):
+        if not is_expert:
+            names += [n for b in group for n in b.hf_names]
+            continue
+        layer = _layer_of(next(group))
+        names += [n for e in range(spec.num_experts) for n in _expert_names(spec, layer, e)]
+    return names
+
+
+def _stage_tensors(local: list[_Binding], model: QwenModel, layout: ParallelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's full HF tensors on each of its ranks: gathered over TP; a sparse layer's
+    experts, in expert order, each broadcast over EP from the rank that holds it."""
+    spec = model.hf_spec
+    for is_expert, group in itertools.groupby(local, key=lambda b: b.expert is not None):
+        if not is_expert:
+            for b in group:
+                yield from zip(b.hf_names, _gather_tp(b, layout.tp_group, spec))
+            continue
+        mine = list(group)
+        layer, per_rank = _layer_of(mine[0]), spec.num_experts // layout.ep
+        held = {b.expert: [] for b in mine}
+        for b in mine:
+            held[b.expert].append(b)
+        shapes = spec.hf_shapes()
+        for e in range(spec.num_experts):
+            names = _expert_names(spec, layer, e)
+            if e in held:
+                tensors = [t for b in held[e] for t in _gather_tp(b, layout.tp_group, spec)]
+            else:
+                tensors = [torch.empty(shapes[n], dtype=model.config.params_dtype, device=layout.device) for n in names]
+            if layout.ep > 1:
+                owner = dist.get_global_rank(layout.ep_group, e // per_rank)
+                for t in tensors:
+                    dist.broadcast(t, owner, group=layout.ep_group)
+            yield from zip(names, tensors)
 
 
 def save_hf_checkpoint(model: torch.nn.Module, layout: ParallelLayout, out_dir: str | Path,

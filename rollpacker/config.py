@@ -106,6 +106,29 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
+def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None:
+    """Refuse an expert layout the model at ``hf`` cannot take."""
+    from rollpacker.hf_spec import parse_spec
+
+    try:
+        spec = parse_spec(hf_cfg)
+        spec.check_ep(cfg.trainer.ep)
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.source}: model.path {hf}: {exc} (trainer.ep)") from None
+    if spec.is_moe and cfg.rollout.backend == "sglang" and len(spec.moe_layers) != spec.num_layers:
+        # sglang (0.5.17 and 0.5.23) builds every Qwen3-MoE layer sparse (models/qwen3_moe.py:
+        # stage_facts's is_layer_sparse = True) and skips the dense layers' weights without a word
+        raise ConfigError(f"{cfg.source}: model.path {hf}: dense layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))} "
+                          "(mlp_only_layers / decoder_sparse_step): sglang builds every Qwen3-MoE layer sparse and would "
+                          "serve another model; use rollout.backend=reference, or a checkpoint whose layers are all sparse")
+    if spec.is_moe and cfg.trainer.tp > 1:
+        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
+        # (megatron-core 0.16.1 moe/moe_layer.py:379), which the trainer does not run
+        raise ConfigError(f"{cfg.source}: trainer.tp={cfg.trainer.tp} with the mixture-of-experts model at {hf}: the "
+                          "trainer splits MoE models by expert parallelism only; set trainer.tp=1 and use trainer.ep "
+                          "(and more data-parallel ranks) to spread the experts")
+
+
 def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) -> None:
     """Refuse layouts that cannot run on ``world_size`` ranks, naming the key and the fix."""
     src, t = cfg.source, cfg.trainer
@@ -116,6 +139,13 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
             f"{src}: run.verify_sync=true needs an engine that can read its weights back, which "
             "rollout.backend=sglang cannot; set run.verify_sync=false (the trainer's train/logprob_mismatch "
             "against the engine's log-probs shows a weight sync that did not land)")
+    if t.ep > 1 and world_size % (t.tp * t.pp * t.ep):
+        raise ConfigError(f"{src}: trainer.ep={t.ep}: trainer.tp*trainer.pp*trainer.ep = {t.tp * t.pp * t.ep} does not "
+                          f"divide the world size {world_size}; choose an ep that divides {world_size // (t.tp * t.pp)}")
+    if t.ep > 1 and t.stream:
+        raise ConfigError(f"{src}: trainer.ep={t.ep} with trainer.stream=true: every sparse layer is a collective over "
+                          "the expert-parallel ranks, which the stream trainer's replicas, training each on its own "
+                          "schedule, cannot join; set trainer.stream=false (or trainer.ep=1)")
     model_parallel = t.tp * t.pp * t.cp
     if world_size % model_parallel:
         raise ConfigError(
@@ -147,6 +177,7 @@ def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) ->
                               "point model.path at a local HF model directory")
         return
     hf_cfg = json.loads(hf.read_text())
+    _check_experts(cfg, hf_cfg, world_size, hf)
     heads = hf_cfg["num_attention_heads"]
     kv_heads = hf_cfg.get("num_key_value_heads", heads)
     for key, tp in [("trainer.tp", t.tp)] + [("rollout TP", x) for x in sorted(rollout_tps)]:

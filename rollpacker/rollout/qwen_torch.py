@@ -1,4 +1,4 @@
-"""A compact Qwen2/Qwen3 forward in plain PyTorch over a paged KV cache, tensor-parallel over a process group.
+"""A compact Qwen2/Qwen3/Qwen3-MoE forward in plain PyTorch over a paged KV cache, tensor-parallel over a process group.
 
 Read from an HF safetensors directory (``config.json`` + ``*.safetensors``) without
 instantiating a ``transformers`` model. Sharding is Megatron-style: QKV and
@@ -8,6 +8,13 @@ all-reduce over ``group``. Embedding, norms and lm_head are replicated (they
 are small next to the layers, and it lets the leader sample from full logits
 with no gather), as are Qwen3's per-head q/k norms. Every rank holds the KV of
 its own heads only.
+
+Qwen3-MoE's sparse layers keep the router (``mlp.gate``) replicated, so every rank
+routes every token alike, and shard each expert exactly as the dense MLP (gate/up
+column-, down row-parallel): a rank computes its slice of every chosen expert and the
+one all-reduce after the MLP sums the slices. Routing follows transformers: softmax in
+float32, top-k, optionally renormalised; the tokens of each expert are gathered and
+run as one batch, and their weighted outputs added back in ascending expert order.
 """
 from __future__ import annotations
 
@@ -36,10 +43,12 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one HF tensor goes: local parameter, row offset in it, and the split dim (None: replicated)."""
+    """Where one HF tensor goes: local parameter (``index``: its entry along dim 0, an expert), row offset
+    in it, and the split dim (None: replicated)."""
     local: str
     offset: int = 0
     split_dim: int | None = None
+    index: int | None = None
 
 
 @dataclass
@@ -102,7 +111,7 @@ class PagedKV:
 
 
 class QwenTP:
-    """One tensor-parallel shard of a Qwen2/Qwen3 model (the whole model when ``tp_size == 1``)."""
+    """One tensor-parallel shard of a Qwen2/Qwen3/Qwen3-MoE model (the whole model when ``tp_size == 1``)."""
 
     def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
@@ -110,11 +119,15 @@ class QwenTP:
         if spec.num_heads % tp_size or spec.num_kv_heads % tp_size or spec.intermediate_size % tp_size:
             raise ValueError(f"TP size {tp_size} must divide the attention heads ({spec.num_heads}), KV heads "
                              f"({spec.num_kv_heads}) and intermediate size ({spec.intermediate_size})")
+        if spec.moe_intermediate_size % tp_size:
+            raise ValueError(f"TP size {tp_size} must divide the experts' intermediate size "
+                             f"({spec.moe_intermediate_size})")
         self.spec, self.tp_rank, self.tp_size, self.group = spec, tp_rank, tp_size, group
         self.dtype, self.device = dtype, torch.device(device)
         self.heads = spec.num_heads // tp_size
         self.kv_heads = spec.num_kv_heads // tp_size
         self.ffn = spec.intermediate_size // tp_size
+        self.moe_ffn = spec.moe_intermediate_size // tp_size
         self._shapes, self._targets = self._layout()
         self.params: dict[str, torch.Tensor] = {}
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim)
@@ -134,9 +147,7 @@ class QwenTP:
         for i in range(s.num_layers):
             p, hf = f"{i}.", f"model.layers.{i}."
             shapes.update({p + "ln1": (s.hidden_size,), p + "ln2": (s.hidden_size,),
-                           p + "qkv_w": (q + 2 * kv, s.hidden_size),
-                           p + "o": (s.hidden_size, q), p + "gate_up": (2 * self.ffn, s.hidden_size),
-                           p + "down": (s.hidden_size, self.ffn)})
+                           p + "qkv_w": (q + 2 * kv, s.hidden_size), p + "o": (s.hidden_size, q)})
             if s.qkv_bias:
                 shapes[p + "qkv_b"] = (q + 2 * kv,)
                 targets.update({hf + "self_attn.q_proj.bias": _Target(p + "qkv_b", 0, 0),
@@ -152,11 +163,28 @@ class QwenTP:
                 hf + "self_attn.q_proj.weight": _Target(p + "qkv_w", 0, 0),
                 hf + "self_attn.k_proj.weight": _Target(p + "qkv_w", q, 0),
                 hf + "self_attn.v_proj.weight": _Target(p + "qkv_w", q + kv, 0),
-                hf + "self_attn.o_proj.weight": _Target(p + "o", 0, 1),
-                hf + "mlp.gate_proj.weight": _Target(p + "gate_up", 0, 0),
-                hf + "mlp.up_proj.weight": _Target(p + "gate_up", self.ffn, 0),
-                hf + "mlp.down_proj.weight": _Target(p + "down", 0, 1)})
+                hf + "self_attn.o_proj.weight": _Target(p + "o", 0, 1)})
+            self._layout_mlp(i, shapes, targets)
         return shapes, targets
+
+    def _layout_mlp(self, i: int, shapes: dict[str, tuple[int, ...]], targets: dict[str, _Target]) -> None:
+        """Layer ``i``'s MLP: dense SwiGLU, or (a sparse layer) the router and the experts stacked on dim 0."""
+        s, p, hf = self.spec, f"{i}.", f"model.layers.{i}.mlp."
+        if i not in s.moe_layers:
+            shapes.update({p + "gate_up": (2 * self.ffn, s.hidden_size), p + "down": (s.hidden_size, self.ffn)})
+            targets.update({hf + "gate_proj.weight": _Target(p + "gate_up", 0, 0),
+                            hf + "up_proj.weight": _Target(p + "gate_up", self.ffn, 0),
+                            hf + "down_proj.weight": _Target(p + "down", 0, 1)})
+            return
+        n, f = s.num_experts, self.moe_ffn
+        shapes.update({p + "router": (n, s.hidden_size), p + "experts_gate_up": (n, 2 * f, s.hidden_size),
+                       p + "experts_down": (n, s.hidden_size, f)})
+        targets[hf + "gate.weight"] = _Target(p + "router")
+        for e in range(n):
+            ex = f"{hf}experts.{e}."
+            targets.update({ex + "gate_proj.weight": _Target(p + "experts_gate_up", 0, 0, e),
+                            ex + "up_proj.weight": _Target(p + "experts_gate_up", f, 0, e),
+                            ex + "down_proj.weight": _Target(p + "experts_down", 0, 1, e)})
 
     def hf_names(self) -> list[str]:
         """The HF names a full load must provide (``lm_head.weight`` is optional when tied)."""
@@ -186,7 +214,10 @@ class QwenTP:
                 raise ValueError(f"{name}: dim {target.split_dim} of shape {tuple(tensor.shape)} "
                                  f"is not divisible by TP size {self.tp_size}")
             tensor = tensor.chunk(self.tp_size, target.split_dim)[self.tp_rank]
-        dest = self.params[target.local].narrow(0, target.offset, tensor.shape[0])
+        dest = self.params[target.local]
+        if target.index is not None:
+            dest = dest[target.index]
+        dest = dest.narrow(0, target.offset, tensor.shape[0])
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: got shape {tuple(tensor.shape)} for this rank's shard, "
                              f"expected {tuple(dest.shape)}")
@@ -283,9 +314,36 @@ class QwenTP:
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=key_mask,
                                                       enable_gqa=True)
             x = x + self._reduce(F.linear(attn.transpose(1, 2).reshape(bsz, t, q_size), p[f"{i}.o"]))
-            gate, up = F.linear(self._rms(x, p[f"{i}.ln2"]), p[f"{i}.gate_up"]).chunk(2, dim=-1)
-            x = x + self._reduce(F.linear(F.silu(gate) * up, p[f"{i}.down"]))
+            h = self._rms(x, p[f"{i}.ln2"])
+            if i in s.moe_layers:
+                x = x + self._reduce(self._moe(i, h.view(bsz * t, -1)).view(bsz, t, -1))
+            else:
+                gate, up = F.linear(h, p[f"{i}.gate_up"]).chunk(2, dim=-1)
+                x = x + self._reduce(F.linear(F.silu(gate) * up, p[f"{i}.down"]))
         return x[torch.arange(bsz, device=self.device), lengths - 1] if valid is not None else x[:, 0]
+
+    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """This rank's part of sparse layer ``i``'s MLP on tokens ``h`` [N, hidden] (before the TP reduce)."""
+        s, p = self.spec, self.params
+        logits = F.linear(h, p[f"{i}.router"])
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), s.experts_per_token, dim=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        # group the (token, choice) pairs by expert: one gather, one batched SwiGLU and one add per expert used
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        tokens, weights = order // s.experts_per_token, weights.flatten()[order]
+        gate_up, down = p[f"{i}.experts_gate_up"], p[f"{i}.experts_down"]
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=s.num_experts).tolist()):  # one host sync
+            if n:
+                rows = tokens[start:start + n]
+                gate, up = F.linear(h[rows], gate_up[e]).chunk(2, dim=-1)
+                out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * weights[start:start + n, None])
+                start += n
+        return out
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Run:
         # during rollout the trainer is offloaded, so it must not be resident yet (SGLang takes a
         # fraction of what is free at init).
         self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes, window=cfg.matched_window)
-        layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, seed=cfg.run.seed)
+        layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, ep=cfg.trainer.ep, seed=cfg.run.seed)
         self.trainer = Trainer(cfg.trainer, cfg.model.path, layout, row_width=cfg.matched_window)
         self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline,
                                    barrier=self.engines.device_barrier)

@@ -37,7 +37,7 @@ from megatron_ext.weights import unwrap
 from rollpacker.trainer import mismatch
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.grpo import LossSums, grpo_token_loss
-from rollpacker.trainer.packing import Layout, MicroBatch
+from rollpacker.trainer.packing import Layout, MicroBatch, filler_micro_batch, pad_micro_batch
 
 # (micro-batch, logits of its last stage) -> (scalar to differentiate, detached result)
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, Any]]
@@ -204,6 +204,26 @@ class Backend(abc.ABC):
         accumulating gradients locally. Returns the detached results on the last
         pipeline stage, an empty list elsewhere."""
 
+    def lockstep(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """``micro_batches`` as every rank of this rank's expert-parallel group runs them: each sparse
+        layer's forward and backward is a collective over that group, so they all run the same
+        number of micro-batches (padding ones added) of one shape where the token dispatcher needs
+        it (the padded layout's allgather). The same list on a rank without EP."""
+        if self.layout.ep == 1:
+            return micro_batches
+        padded = self.micro_batch_layout == "padded"
+        shapes = [tuple(mb.input_ids.shape) if padded else (1, mb.input_ids.shape[1]) for mb in micro_batches]
+        agreed = torch.tensor([len(shapes), max((r for r, _ in shapes), default=1), max((w for _, w in shapes), default=1)],
+                              dtype=torch.int64, device=self.layout.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.layout.ep_group)
+        count, rows, width = (int(x) for x in agreed.tolist())
+        if padded:
+            micro_batches = [pad_micro_batch(mb, rows, width) for mb in micro_batches]
+        else:  # the alltoall dispatcher takes any token counts: a filler only needs a valid sequence
+            rows, width = 1, self.pad_multiple
+        return micro_batches + [filler_micro_batch(self.micro_batch_layout, rows=rows, width=width)
+                                for _ in range(count - len(micro_batches))]
+
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
@@ -298,16 +318,21 @@ class Backend(abc.ABC):
             self.load_params(current)
 
 
-def global_grad_norm(grads: list[torch.Tensor], is_duplicate: list[bool], layout: ParallelLayout) -> float:
+def global_grad_norm(grads: list[torch.Tensor], is_duplicate: list[bool], layout: ParallelLayout,
+                     is_expert: list[bool] | None = None) -> float:
     """L2 norm of the full model's gradient from this rank's shard.
 
     Parameters replicated over TP (norms, biases of row-parallel layers) are
-    counted on TP rank 0 only; the squares are summed over TP and PP.
+    counted on TP rank 0 only; the squares are summed over TP and PP, and an
+    expert-parallel expert's (each held by one EP rank) also over EP.
     """
-    total = torch.zeros((), dtype=torch.float64, device=layout.device)
-    for g, dup in zip(grads, is_duplicate):
+    dense, experts = (torch.zeros((), dtype=torch.float64, device=layout.device) for _ in range(2))
+    for g, dup, expert in zip(grads, is_duplicate, is_expert or [False] * len(grads)):
         if not dup:
-            total += g.detach().double().pow(2).sum()
+            (experts if expert else dense).add_(g.detach().double().pow(2).sum())
+    if layout.ep > 1:
+        dist.all_reduce(experts, group=layout.ep_group)
+    total = dense + experts
     for group, size in ((layout.tp_group, layout.tp), (layout.pp_group, layout.pp)):
         if size > 1:
             dist.all_reduce(total, group=group)

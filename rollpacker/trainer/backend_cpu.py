@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.parallel import ParallelLayout
+from megatron_ext.weights import unwrap
 from rollpacker.trainer.backend import Backend, LossFn, StepResult, global_grad_norm, state_tensors
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import MicroBatch
@@ -50,6 +51,9 @@ class CpuBackend(Backend):
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                            eps=cfg.adam_eps)
         self._duplicate = [_is_tp_duplicate(p, layout) for p in self._params]
+        # experts split over expert parallelism (megatron marks them allreduce=False): each EP rank
+        # holds different ones, whose replicas are the expert-data-parallel group
+        self._expert = [not getattr(p, "allreduce", True) for p in self._params]
         # Qwen3's q/k norms are replicated over TP but each rank's gradient covers only its own heads:
         # summed over TP, as megatron-core's finalize_model_grads does on the GPU backend.
         self._tp_summed = [p for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
@@ -58,10 +62,13 @@ class CpuBackend(Backend):
                          forward_only: bool = False) -> list[Any]:
         results = []
         self.model.train(not forward_only)
+        moe = unwrap(self.model).hf_spec.is_moe
         for mb in micro_batches:
             with torch.set_grad_enabled(not forward_only):
-                # right padding + causal attention: no real token attends to padding
-                logits = self.model(mb.input_ids, mb.position_ids, attention_mask=None)
+                # right padding + causal attention: no real token attends to padding; a MoE router
+                # leaves padding out of its load-balancing loss
+                logits = self.model(mb.input_ids, mb.position_ids, attention_mask=None,
+                                    **({"padding_mask": ~mb.real} if moe else {}))
                 loss, result = loss_fn(mb, logits)
                 if not forward_only:
                     loss.backward()
@@ -76,19 +83,23 @@ class CpuBackend(Backend):
         if self.layout.tp > 1:
             for p in self._tp_summed:
                 dist.all_reduce(p.grad, group=self.layout.tp_group)
-        flat = torch.cat([p.grad.reshape(-1) for p in self._params])
-        if self.layout.dp > 1:
-            dist.all_reduce(flat, group=self.layout.dp_group)
-        flat.mul_(scale)
-        offset = 0
-        for p in self._params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        for expert, group in ((False, self.layout.dp_group), (True, self.layout.expert_dp_group)):
+            params = [p for p, e in zip(self._params, self._expert) if e == expert]
+            if not params:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            if group is not None and group.size() > 1:
+                dist.all_reduce(flat, group=group)
+            flat.mul_(scale)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        norm = global_grad_norm([p.grad for p in self._params], self._duplicate, self.layout)
+        norm = global_grad_norm([p.grad for p in self._params], self._duplicate, self.layout, self._expert)
         if not torch.isfinite(torch.tensor(norm)):
             return StepResult(applied=False, grad_norm=norm)
         coeff = self.cfg.grad_clip / (norm + 1e-6)

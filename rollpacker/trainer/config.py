@@ -65,6 +65,11 @@ class TrainerConfig:
     # exchange tokens in every sparse layer; the experts themselves split over trainer.tp as dense
     # layers do. ep must divide the model's num_experts and world_size / (tp * pp).
     ep: int = 1
+    # The MoE router's load-balancing loss coefficient (None: the checkpoint's router_aux_loss_coef).
+    # As megatron-core weighs it with per-token losses: each micro-batch's loss, summed over its
+    # sparse layers, enters the objective once and is divided by the step's tokens with the policy
+    # loss.
+    moe_aux_loss_coef: float | None = None
     lr: float = 1e-6
     # Linear warm-up: optimizer step k (from 1) runs at lr * min(1, k / lr_warmup_steps). Adam's
     # first bias-corrected updates move every weight by about lr whatever its gradient, so a fresh
@@ -112,6 +117,8 @@ class TrainerConfig:
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.moe_aux_loss_coef is not None and self.moe_aux_loss_coef < 0:
+            raise ConfigError(f"moe_aux_loss_coef must be >= 0 (or null for the checkpoint's), got {self.moe_aux_loss_coef}")
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.lr_warmup_steps < 0:

@@ -131,6 +131,7 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # float64, engine log-prob of the next token (NaN if none)
     sequence_starts: torch.Tensor  # float, 1 on the first loss position of each sequence
     sequence_index: torch.Tensor  # long, the position's sequence (0..num_sequences-1; padding: any)
+    real: torch.Tensor  # bool, a token of a sequence (False: padding; MoE routing leaves it out)
     layout: Layout
     cu_seqlens: torch.Tensor | None  # int32 [n+1] (thd only), offsets of padded sequences
     cu_seqlens_unpadded: torch.Tensor | None  # int32 [n+1] (thd only), true lengths
@@ -165,12 +166,13 @@ def _sequence_rows(sample: Sample, weight: float, index: int) -> dict[str, list]
         "rollout_logprobs": [float("nan")] * (p - 1) + rollout + [float("nan")],
         "sequence_starts": [0.0] * (p - 1) + [1.0] + [0.0] * r,
         "sequence_index": [index] * n,
+        "real": [True] * n,
     }
 
 
 _DTYPES = {"input_ids": torch.long, "position_ids": torch.long, "labels": torch.long, "loss_mask": torch.float32,
            "advantages": torch.float64, "weights": torch.float64, "rollout_logprobs": torch.float64,
-           "sequence_starts": torch.float32, "sequence_index": torch.long}
+           "sequence_starts": torch.float32, "sequence_index": torch.long, "real": torch.bool}
 _PAD = {"rollout_logprobs": float("nan")}
 
 
@@ -217,6 +219,34 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
     true_offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return MicroBatch(**cols, layout=layout, cu_seqlens=offsets, cu_seqlens_unpadded=true_offsets,
                       max_seqlen=max(padded), num_tokens=sum(lengths), num_sequences=len(rows))
+
+
+def filler_micro_batch(layout: Layout, *, rows: int = 1, width: int = 1) -> MicroBatch:
+    """A micro-batch of padding alone (nothing trained, counted or measured): ``rows`` rows of ``width``
+    (padded), or one sequence of ``width`` tokens (thd)."""
+    shape = (rows, width) if layout == "padded" else (1, width)
+    cols = {k: torch.full(shape, _PAD.get(k, 0), dtype=dt) for k, dt in _DTYPES.items()}
+    cols["position_ids"] = torch.arange(width).expand(*shape).clone()
+    seqlens = None if layout == "padded" else torch.tensor([0, width], dtype=torch.int32)
+    return MicroBatch(**cols, layout=layout, cu_seqlens=seqlens, cu_seqlens_unpadded=seqlens,
+                      max_seqlen=width, num_tokens=0, num_sequences=1)
+
+
+def pad_micro_batch(mb: MicroBatch, rows: int, width: int) -> MicroBatch:
+    """A padded-layout ``mb`` widened to ``rows`` x ``width`` with padding (nothing of it trained)."""
+    if mb.layout != "padded":
+        raise ValueError("only padded-layout micro-batches are padded to a shape")
+    r, w = mb.input_ids.shape
+    if (r, w) == (rows, width):
+        return mb
+    out = filler_micro_batch("padded", rows=rows, width=width)
+    for k in _DTYPES:
+        getattr(out, k)[:r, :w] = getattr(mb, k)
+    if mb.ref_logprobs is not None:
+        raise ValueError("pad a micro-batch before its reference log-probs are attached")
+    return MicroBatch(**{k: getattr(out, k) for k in _DTYPES}, layout="padded", cu_seqlens=None,
+                      cu_seqlens_unpadded=None, max_seqlen=width, num_tokens=mb.num_tokens,
+                      num_sequences=mb.num_sequences)
 
 
 def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,

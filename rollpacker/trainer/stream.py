@@ -184,11 +184,13 @@ class StreamTrainer:
             raise RuntimeError("call begin() before feeding a step, and only once per step")
 
     def _train(self, samples: list[Sample], num_groups: int) -> int:
-        """Forward/backward on ``samples``; returns their compute tokens."""
-        if samples:
-            mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
-                                     aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
-                                     pad_multiple=self.backend.pad_multiple, row_width=self.row_width)
+        """Forward/backward on ``samples``; returns their compute tokens. Under expert parallelism
+        every rank of the EP group runs it together, with or without samples (``Backend.lockstep``)."""
+        mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
+                                 aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
+                                 pad_multiple=self.backend.pad_multiple, row_width=self.row_width) if samples else []
+        mbs = self.backend.lockstep(mbs)
+        if mbs:
             if self.cfg.kl_coef > 0:
                 self._attach_reference_logprobs(mbs)
             for result in self.backend.forward_backward(mbs, self._loss_fn):

@@ -39,13 +39,15 @@ class Trainer:
                  row_width: int | None = None):
         """``row_width``: pad every micro-batch row to this many tokens (``rollout.match_trainer``:
         the engine's window, so that both compute at one shape); None: to the micro-batch's longest."""
-        if (cfg.tp, cfg.pp, cfg.cp) != (layout.tp, layout.pp, layout.cp):
-            raise ValueError(f"trainer.tp/pp/cp = {cfg.tp}/{cfg.pp}/{cfg.cp} but the layout was set up as "
-                             f"{layout.tp}/{layout.pp}/{layout.cp}; build the layout from the trainer config")
+        if (cfg.tp, cfg.pp, cfg.cp, cfg.ep) != (layout.tp, layout.pp, layout.cp, layout.ep):
+            raise ValueError(f"trainer.tp/pp/cp/ep = {cfg.tp}/{cfg.pp}/{cfg.cp}/{cfg.ep} but the layout was set up "
+                             f"as {layout.tp}/{layout.pp}/{layout.cp}/{layout.ep}; build the layout from the trainer "
+                             "config")
         self.cfg, self.layout, self.model_dir = cfg, layout, Path(model_dir)
         self.model = build_model(self.model_dir, params_dtype=_DTYPES[cfg.params_dtype],
                                  pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                                 pg_collection=layout.pg_collection, recompute=cfg.recompute).to(layout.device)
+                                 pg_collection=layout.pg_collection, recompute=cfg.recompute,
+                                 aux_loss_coef=cfg.moe_aux_loss_coef).to(layout.device)
         load_hf_checkpoint(self.model, self.model_dir)
         self.backend = make_backend(self.model, layout, cfg)
         if row_width is not None and self.backend.micro_batch_layout != "padded":

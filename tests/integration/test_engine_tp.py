@@ -1,4 +1,4 @@
-"""The reference engine tensor-parallel over 2 ranks (real torchrun, gloo), Qwen2 and Qwen3."""
+"""The reference engine tensor-parallel over 2 ranks (real torchrun, gloo), Qwen2, Qwen3 and Qwen3-MoE."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,10 @@ import torch
 
 from testkit import make_random_checkpoint, run_torchrun
 
-# family -> config overrides of its random checkpoints (Qwen3: head_dim 32 != hidden 64 / 4 heads, and tied)
+# family -> config overrides of its random checkpoints (Qwen3: head_dim 32 != hidden 64 / 4 heads, and tied;
+# Qwen3-MoE: router replicated, each expert split over the 2 ranks as the dense MLP)
 SHAPES = {"qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
-          "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16})}
+          "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}), "qwen3_moe": ("qwen3_moe", {})}
 
 
 def transformers_greedy(model_dir, prompts: list[list[int]], max_new: int = 24) -> dict[str, list[int]]:

@@ -124,7 +124,8 @@ def _our_step_loss(train, rollout, mask, advantages, cfg: TrainerConfig) -> floa
     mb = MicroBatch(input_ids=zeros, position_ids=zeros, labels=zeros, loss_mask=mask,
                     advantages=advantages[:, None].expand(B, T), weights=weights.to(torch.float64),
                     rollout_logprobs=torch.where(mask > 0, rollout, torch.nan), sequence_starts=starts,
-                    sequence_index=torch.arange(B)[:, None].expand(B, T), layout="padded", cu_seqlens=None,
+                    sequence_index=torch.arange(B)[:, None].expand(B, T), real=torch.ones(B, T, dtype=torch.bool),
+                    layout="padded", cu_seqlens=None,
                     cu_seqlens_unpadded=None, max_seqlen=T, num_tokens=int(mask.sum()), num_sequences=B)
     objective, sums = policy_loss(mb, train, cfg=cfg)
     return float(objective) / denominator(int(sums.tokens), int(sums.sequences), cfg.loss_aggregation)
