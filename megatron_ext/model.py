@@ -58,12 +58,13 @@ def padded_vocab_size(spec: ModelSpec, tp: int) -> int:
 
 def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                        params_dtype: torch.dtype = torch.float32, recompute: bool = False,
-                       aux_loss_coef: float | None = None) -> TransformerConfig:
+                       aux_loss_coef: float | None = None, routing_replay: bool = False) -> TransformerConfig:
     """The Megatron config of the model ``spec`` describes, for the given parallel sizes and parameter dtype.
 
     ``recompute``: full activation recompute, one layer per checkpoint: each layer keeps only its
     input and recomputes the rest in backward. ``aux_loss_coef``: the MoE router's load-balancing
-    loss coefficient (None: the checkpoint's ``router_aux_loss_coef``).
+    loss coefficient (None: the checkpoint's ``router_aux_loss_coef``); ``routing_replay``: the
+    routers can take their experts from outside (:mod:`megatron_ext.routing`).
     """
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype must be torch.float32 or torch.bfloat16, got {params_dtype}")
@@ -87,12 +88,12 @@ def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, cp: int = 1
         # no CUDA graphs are captured; megatron-core's default "full" is its own deprecated spelling of []
         cuda_graph_scope=[],
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
-        **(_moe_kwargs(spec, ep, aux_loss_coef) if spec.is_moe else {}),
+        **(_moe_kwargs(spec, ep, aux_loss_coef, routing_replay) if spec.is_moe else {}),
         **cpu_compat.config_kwargs(),
     )
 
 
-def _moe_kwargs(spec: ModelSpec, ep: int, aux_loss_coef: float | None) -> dict[str, Any]:
+def _moe_kwargs(spec: ModelSpec, ep: int, aux_loss_coef: float | None, routing_replay: bool) -> dict[str, Any]:
     """The MoE settings of Qwen3-MoE (module docstring)."""
     return dict(
         num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
@@ -104,7 +105,7 @@ def _moe_kwargs(spec: ModelSpec, ep: int, aux_loss_coef: float | None) -> dict[s
         # alltoall exchanges any token counts between EP ranks but creates CUDA streams
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
         moe_grouped_gemm=False,
-        expert_model_parallel_size=ep)
+        expert_model_parallel_size=ep, moe_enable_routing_replay=routing_replay)
 
 
 def _use_transformer_engine() -> bool:
@@ -149,7 +150,7 @@ class QwenModel(GPTModel):
 def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torch.dtype = torch.float32,
                 pre_process: bool = True, post_process: bool = True,
                 pg_collection: ProcessGroupCollection | None = None, recompute: bool = False,
-                aux_loss_coef: float | None = None) -> QwenModel:
+                aux_loss_coef: float | None = None, routing_replay: bool = False) -> QwenModel:
     """A randomly initialised model for this rank's TP shard and PP stage.
 
     ``hf_config``: a config of a family :func:`rollpacker.hf_spec.parse_spec` accepts.
@@ -167,7 +168,7 @@ def build_model(hf_config: Mapping[str, Any] | str | Path, *, params_dtype: torc
     tp, pp, cp = pgs.tp.size(), pgs.pp.size(), pgs.cp.size()
     ep = pgs.ep.size() if spec.is_moe and getattr(pgs, "ep", None) is not None else 1
     config = transformer_config(spec, tp=tp, pp=pp, cp=cp, ep=ep, params_dtype=params_dtype, recompute=recompute,
-                                aux_loss_coef=aux_loss_coef)
+                                aux_loss_coef=aux_loss_coef, routing_replay=routing_replay)
     model = QwenModel(
         spec, config=config, transformer_layer_spec=_layer_spec(config, pgs.pp.rank()),
         vocab_size=padded_vocab_size(spec, tp),

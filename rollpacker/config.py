@@ -121,6 +121,17 @@ def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None
         raise ConfigError(f"{cfg.source}: model.path {hf}: dense layers {sorted(set(range(spec.num_layers)) - set(spec.moe_layers))} "
                           "(mlp_only_layers / decoder_sparse_step): sglang builds every Qwen3-MoE layer sparse and would "
                           "serve another model; use rollout.backend=reference, or a checkpoint whose layers are all sparse")
+    t = cfg.trainer
+    if t.routing_replay:
+        problem = ("the model has no experts" if not spec.is_moe else
+                   "the engine must report its routing: set rollout.return_routing=true" if not cfg.rollout.return_routing
+                   else "the SGLang backend does not report routing yet: use rollout.backend=reference"
+                   if cfg.rollout.backend == "sglang" else
+                   "a recomputed forward would replay another micro-batch's routing: set trainer.recompute=false"
+                   if t.recompute else "context parallelism splits the tokens the routing names: set trainer.cp=1"
+                   if t.cp > 1 else None)
+        if problem:
+            raise ConfigError(f"{cfg.source}: trainer.routing_replay=true: {problem} (model.path {hf})")
     if spec.is_moe and cfg.trainer.tp > 1:
         # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
         # (megatron-core 0.16.1 moe/moe_layer.py:379), which the trainer does not run

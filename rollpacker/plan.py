@@ -18,6 +18,9 @@ Units: bytes; printed in GB = 1e9 bytes. An "80 GB" H100/H800 shows PyTorch
 5 GB for what the plan does not list (allocator fragmentation, NCCL and
 cuBLAS workspaces). The preflight plans against the device's real size.
 
+What each tensor weighs for the model and layout, mixture-of-experts models
+included (and what is not modelled for them), is :mod:`rollpacker.plan_sizes`.
+
 Not modelled: the host side (pinned copies of params, optimizer state), the
 KL reference (kept on host), context-parallel ring buffers (a few KV chunks),
 and SGLang's own use outside its static budget (prefill activations, CUDA
@@ -32,7 +35,7 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -40,221 +43,24 @@ from rollpacker.cli_help import HelpFormatter
 from rollpacker.config import Config, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.hf_spec import ModelSpec, parse_spec
+from rollpacker.plan_sizes import (BF16, FP32, GB, StagePeak, activated_params, engine_weight_bytes,
+                                   expert_param_count, gb, hf_param_count, kv_bytes_per_token, stage_peak,
+                                   trainer_state)
 
-GB = 10**9
 DEFAULT_DEVICE_GB = 80.0
-BF16, FP32 = 2, 4
 # One process's CUDA context with cuBLAS loaded: 0.72 GB on an H100 (torch 2.11, CUDA 13), read
 # as mem_get_info's used minus memory_reserved after one bf16 matmul. Every GPU hosts the
 # trainer process and, with SGLang, one scheduler process per engine set built.
 CUDA_CONTEXT_BYTES = 720 * 10**6
-# megatron_ext/logprobs.py works on chunks of LOGPROB_CHUNK_TOKENS tokens (the same constant there;
-# tests/unit/test_plan.py checks they agree). Its peak beside the bf16 logits: LOGIT_FP32_COPIES fp32
-# [chunk, V/tp] tensors in the forward (log-probs, then the entropy); in the backward, the logits'
-# gradient [tokens, V/tp] (their dtype) plus as many chunks (tests/unit/test_plan.py measures both).
-LOGPROB_CHUNK_TOKENS = 2048
-LOGIT_FP32_COPIES = 2
-VOCAB_MULTIPLE = 128  # megatron_ext.model.padded_vocab_size: rows padded to 128 * tp
 SHAPES_DIR = Path(__file__).with_name("plan_shapes")
-# Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800; 8 in the planner experiment):
-# the CLI's default world.
-PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8, "qwen3-8b": 1}
+# Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800; 8 in the planner experiment),
+# and configs/qwen3-30b-a3b.yaml's 2 nodes: the CLI's default world.
+PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8, "qwen3-8b": 1, "qwen3-30b-a3b": 2}
 PHASES = ("rollout", "sync", "train")
 GPU, HOST, FREED, ABSENT = "gpu", "host", "freed", "-"
 
 
-def gb(nbytes: float) -> str:
-    return f"{nbytes / GB:.2f}"
-
-
-# ---- model shapes -------------------------------------------------------------------------------
-
-def padded_vocab(spec: ModelSpec, tp: int) -> int:
-    multiple = VOCAB_MULTIPLE * tp
-    return math.ceil(spec.vocab_size / multiple) * multiple
-
-
-def hf_param_count(spec: ModelSpec) -> int:
-    """Parameters of the HF checkpoint (the model card's figure)."""
-    return sum(math.prod(shape) for shape in spec.hf_shapes().values())
-
-
-def _layer_weights(spec: ModelSpec, tp: int, kv_heads: int) -> int:
-    """One decoder layer on one TP rank holding ``kv_heads`` KV heads; RMSNorm weights are replicated."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d // tp, kv_heads * d
-    bias = q + 2 * kv if spec.qkv_bias else 0
-    qk_norm = 2 * d if spec.qk_norm else 0
-    return h * (q + 2 * kv) + bias + q * h + 3 * h * spec.intermediate_size // tp + 2 * h + qk_norm
-
-
-def stage_params(spec: ModelSpec, tp: int, pp: int, stage: int) -> int:
-    """Parameters on one GPU of the Megatron trainer's pipeline stage ``stage``."""
-    h, rows = spec.hidden_size, padded_vocab(spec, tp) // tp
-    n = spec.num_layers // pp * _layer_weights(spec, tp, spec.num_kv_heads // tp)
-    if stage == 0:
-        n += rows * h
-    if stage == pp - 1:
-        n += h  # final norm
-        if not spec.tie_word_embeddings or pp > 1:  # tied: the last stage keeps its own copy
-            n += rows * h
-    return n
-
-
-# ---- trainer ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TrainerState:
-    """Bytes of the Megatron DDP buffers and the distributed optimizer's shard on one GPU."""
-
-    params: int
-    grads: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-
-def trainer_state(spec: ModelSpec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str) -> TrainerState:
-    """megatron-core 0.16.1 with ``grad_reduce_in_fp32=True`` and ``use_distributed_optimizer=True``
-    (backend_gpu.py): params in their dtype, an fp32 gradient buffer for every local param, and the
-    optimizer's shard over the DP x CP group (DDP reduces over ``dp_cp``): fp32 main params (bf16
-    only; fp32 params are their own main copy) and Adam's two fp32 moments."""
-    n = stage_params(spec, tp, pp, stage)
-    shard = math.ceil(n / dp_cp)
-    if dtype == "bf16":
-        return TrainerState(params=BF16 * n, grads=FP32 * n, optimizer=3 * FP32 * shard)
-    return TrainerState(params=FP32 * n, grads=FP32 * n, optimizer=2 * FP32 * shard)
-
-
-def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, te: bool = True) -> int:
-    """bf16 activations one decoder layer keeps for backward, on one TP rank, for ``tokens`` tokens.
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models" (arXiv:2205.05198), Sec. 4.1 counts per layer
-    ``sbh(34 + 5as/h)`` bytes, ``sbh(10 + 24/t + 5as/(ht))`` with tensor
-    parallelism and ``sbh(34/t + 5as/(ht))`` with sequence parallelism too.
-    Their terms: attention 11sbh + 5as^2b (QKV input 2, Q and K 4, V 2,
-    projection input 2, dropout mask 1; softmax output and its dropout mask
-    5as^2b), MLP 19sbh (input 2, fc1 output 8, GeLU output 8, mask 1), the two
-    LayerNorm inputs 4sbh. For Qwen2 on megatron-core 0.16.1 as configured here:
-
-    - flash / fused attention keeps Q, K, V, its output and an fp32
-      log-sum-exp per head, never the s x s scores: the 5as/h term drops;
-    - dropout is 0 (no masks);
-    - GQA: K and V are ``g*d`` wide, Q and the output ``a*d``;
-    - RoPE makes new Q and K, while V stays a view of the fused QKV output,
-      which attention's saved V keeps alive whole: 2(a+2g)d + 2(a+g)d;
-    - SwiGLU through Megatron's unfused ``glu`` (``bias_activation_fusion``
-      is off): the fc1 output ``[T, 2f/t]`` (alive through its chunks), then
-      ``silu(gate)``, ``up + glu_linear_offset`` and their product (fc2's
-      input), ``f/t`` each: 10f bytes where their GeLU MLP has 16h;
-    - sequence parallelism is off, so the norm inputs and outputs (the QKV
-      and fc1 inputs) are full ``h`` on every TP rank: 8h with Transformer
-      Engine's fused norm + linear. Megatron's local layer (``te=False``) runs
-      torch's RMSNorm, which keeps two fp32 copies of its input: 20h.
-
-    - Qwen3's q/k norms read Q and K as views of the fused QKV output
-      (already counted) and keep an fp32 1/rms per head, 4(a+g); torch's
-      RMSNorm (``te=False``) keeps two fp32 copies of its input, 8(a+g)d more.
-      This term is derived, not measured.
-
-    bytes per token = 8h + (2(a+2g)d + 2(a+g)d + 2ad + 4a + 10f [+ qk norms]) / t.
-
-    Measured on an H100 (torch 2.11, megatron-core 0.16.1, local layer,
-    Qwen2.5-7B widths, 4 layers): one layer's saved tensors come to this
-    formula with ``te=False`` plus RoPE's cos/sin tables (0.4%); a step's
-    ``max_memory_allocated`` at 2048 and 4096 tokens came to 1.002x
-    :func:`trainer_peak_bytes` (0.98-0.99x with recompute).
-    """
-    h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
-    sharded = 2 * (a + 2 * g) * d + 2 * (a + g) * d + 2 * a * d + 4 * a + 10 * f
-    if spec.qk_norm:
-        sharded += 4 * (a + g) + (0 if te else 8 * (a + g) * d)
-    return tokens * (8 if te else 20) * h + math.ceil(tokens * sharded / tp)
-
-
-def activation_bytes(spec: ModelSpec, *, tp: int, pp: int, stage: int, tokens: int, recompute: bool,
-                     te: bool = True) -> int:
-    """Activations stage ``stage`` keeps at its peak, ``tokens`` per micro-batch on this GPU.
-
-    1F1B: stage s runs pp - s forwards before its first backward, so the first stage holds as many
-    layer-micro-batches as the whole model has layers (Korthikanti Sec. 4.2.3). Full recompute
-    (Megatron's ``recompute_granularity="full"``, one layer per checkpoint) keeps each layer's
-    input, ``2sbh`` bytes, and rebuilds one layer's working set at a time in backward; counting
-    that layer on top of the log-prob buffers overstates the last stage by at most one layer, as
-    backward rebuilds it after the logits are freed.
-    """
-    in_flight, layers = pp - stage, spec.num_layers // pp
-    h = spec.hidden_size
-    one_layer = layer_activation_bytes(spec, tp, tokens, te=te)
-    if recompute:
-        kept = in_flight * layers * BF16 * h * tokens + one_layer
-    else:
-        kept = in_flight * layers * one_layer
-    if stage == pp - 1:  # the final norm's input and output (the output layer's input), as in a layer
-        kept += (4 if te else 10) * h * tokens
-    return kept
-
-
-def logits_bytes(spec: ModelSpec, tp: int, tokens: int) -> int:
-    """bf16 logits ``[tokens, V/tp]`` and the larger of the log-prob code's forward and backward peaks."""
-    cols, chunk = padded_vocab(spec, tp) // tp, min(tokens, LOGPROB_CHUNK_TOKENS)
-    forward = LOGIT_FP32_COPIES * chunk * FP32
-    backward = tokens * BF16 + LOGIT_FP32_COPIES * chunk * FP32
-    return cols * (tokens * BF16 + max(forward, backward))
-
-
-@dataclass(frozen=True)
-class StagePeak:
-    """What one GPU of pipeline stage ``stage`` holds at its training peak."""
-
-    stage: int
-    state: TrainerState
-    activations: int
-    logits: int
-
-    @property
-    def total(self) -> int:
-        return self.state.total + self.activations + self.logits
-
-
-def stage_peak(spec: ModelSpec, *, tp: int, pp: int, stage: int, dp_cp: int, dtype: str, tokens: int,
-               recompute: bool, te: bool = True) -> StagePeak:
-    return StagePeak(stage, trainer_state(spec, tp=tp, pp=pp, stage=stage, dp_cp=dp_cp, dtype=dtype),
-                     activation_bytes(spec, tp=tp, pp=pp, stage=stage, tokens=tokens, recompute=recompute, te=te),
-                     logits_bytes(spec, tp, tokens) if stage == pp - 1 else 0)
-
-
-def trainer_peak_bytes(spec: ModelSpec, tp: int, micro_batch_tokens: int, recompute: bool = False,
-                       dtype: str = "bf16", *, pp: int = 1, cp: int = 1, dp: int = 1, te: bool = True) -> int:
-    """Predicted ``torch.cuda.max_memory_allocated()`` of one trainer rank (the worst PP stage).
-
-    ``micro_batch_tokens``: tokens of the largest micro-batch, before the CP split; ``te``: whether
-    Megatron runs Transformer Engine's layer (else its local one). Compare from the second
-    optimizer step on (Adam's moments exist only after the first); the CUDA context is not part of it.
-    """
-    tokens = math.ceil(micro_batch_tokens / cp)
-    return max(stage_peak(spec, tp=tp, pp=pp, stage=k, dp_cp=dp * cp, dtype=dtype, tokens=tokens,
-                          recompute=recompute, te=te).total for k in range(pp))
-
-
 # ---- rollout engines ----------------------------------------------------------------------------
-
-def engine_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int = BF16) -> int:
-    """One GPU's shard of an engine's weights; SGLang replicates KV heads when TP exceeds them."""
-    h, rows = spec.hidden_size, math.ceil(spec.vocab_size / tp)
-    n = spec.num_layers * _layer_weights(spec, tp, max(1, spec.num_kv_heads // tp)) + h + rows * h
-    if not spec.tie_word_embeddings:
-        n += rows * h
-    return n * dtype_bytes
-
-
-def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int = BF16) -> int:
-    """One GPU's KV cache for one token: K and V of every layer, for its share of the KV heads."""
-    return 2 * spec.num_layers * max(1, spec.num_kv_heads // tp) * spec.head_dim * dtype_bytes
-
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -325,27 +131,31 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool = True,
-                shape_source: str = "") -> MemoryPlan:
+                shape_source: str = "", fixes: bool = True) -> MemoryPlan:
     """The memory plan of ``cfg`` on ``world_size`` GPUs of ``device_bytes`` each; ``te``: the trainer
-    runs Transformer Engine's layer (else Megatron's local one, see :func:`layer_activation_bytes`)."""
+    runs Transformer Engine's layer (else Megatron's local one, see
+    :func:`rollpacker.plan_sizes.layer_activation_bytes`). ``fixes``: a problem names what would fix it,
+    for a mixture-of-experts trainer a layout that fits (:func:`fitting_layouts`); False: only the
+    problems (the layout search's trials)."""
     t, ro, planner = cfg.trainer, cfg.rollout, cfg.scheduler.planner
     src = cfg.source or "config"
     model_parallel = t.tp * t.pp * t.cp
     if world_size % model_parallel:
         raise ConfigError(f"{src}: trainer.tp*pp*cp = {model_parallel} does not divide the world size {world_size}")
+    check_expert_parallel(cfg, spec, world_size)
     dp = world_size // model_parallel
     longest = cfg.longest_sequence
     # the packer gives a sequence longer than the budget a micro-batch of its own (packing.pack)
     tokens = math.ceil(max(t.micro_batch_tokens, longest) / t.cp)
 
-    def worst_stage(recompute: bool, tokens: int = tokens) -> StagePeak:
+    def worst_stage(recompute: bool, tokens: int = tokens, ep: int = t.ep) -> StagePeak:
         return max((stage_peak(spec, tp=t.tp, pp=t.pp, stage=k, dp_cp=dp * t.cp, dtype=t.params_dtype,
-                               tokens=tokens, recompute=recompute, te=te) for k in range(t.pp)),
+                               tokens=tokens, recompute=recompute, te=te, ep=ep) for k in range(t.pp)),
                    key=lambda s: s.total)
 
     train = worst_stage(t.recompute)
-    sync_state = max(trainer_state(spec, tp=t.tp, pp=t.pp, stage=k, dp_cp=dp * t.cp, dtype=t.params_dtype).total
-                     for k in range(t.pp))
+    sync_state = max(trainer_state(spec, tp=t.tp, pp=t.pp, stage=k, dp_cp=dp * t.cp, dtype=t.params_dtype,
+                                   ep=t.ep).total for k in range(t.pp))
 
     tps = planner.tp_choices(world_size, ro.tp)
     if ro.backend == "sglang":  # bf16 engines in processes of their own; static budget of the whole GPU
@@ -374,7 +184,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
             problem = (f"rollout engine TP {tp} in the sync phase: trainer state {gb(sync_state)} GB + engine "
                        f"weights {gb(weights)} GB + weight push {gb(push)} GB + CUDA contexts {gb(contexts)} GB "
                        f"= {gb(sync_total)} GB > {gb(device_bytes)} GB")
-            fix = "less resident trainer state (a higher trainer.tp)"
+            higher = "trainer.ep or trainer.pp" if spec.is_moe else "trainer.tp"  # MoE trains at tp 1
+            fix = f"less resident trainer state (a higher {higher})"
         engines.append(EnginePlan(tp, weights, per_token, static, longest, sync_total, problem, fix))
 
     shown = engines[0]  # the smallest TP: the largest weights of any set
@@ -383,8 +194,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
     items = (
         Item(f"trainer params ({dtype})", train.state.params, (HOST, GPU, GPU)),
         Item("trainer grads (fp32 buffer)", train.state.grads, (FREED, GPU, GPU)),
-        Item(f"optimizer shard ({'fp32 main + ' if dtype == 'bf16' else ''}Adam m, v; 1/{dp * t.cp})",
-             train.state.optimizer, (HOST, GPU, GPU)),
+        Item(f"optimizer shard ({'fp32 main + ' if dtype == 'bf16' else ''}Adam m, v; 1/{dp * t.cp}"
+             + (f", experts 1/{dp * t.cp // t.ep})" if spec.is_moe else ")"), train.state.optimizer, (HOST, GPU, GPU)),
         Item(acts_name.format(tokens, "on" if t.recompute else "off"), train.activations, (ABSENT, ABSENT, GPU)),
         Item(acts_name.format(tokens, "off" if t.recompute else "on"), worst_stage(not t.recompute).activations,
              (ABSENT, ABSENT, GPU), counted=False),
@@ -395,13 +206,21 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
         Item("weight push buffers", push, (ABSENT, GPU, ABSENT)),
         Item(f"CUDA contexts ({contexts // CUDA_CONTEXT_BYTES} processes)", contexts, (GPU, GPU, GPU)),
     )
-    problems = [f"{e.problem}; fix: {_engine_fix(e, engines, planner.enabled)}" for e in engines if e.problem]
+    failing = [e for e in engines if e.problem]
+    problems = [f"{e.problem}; fix: {_engine_fix(e, engines, planner.enabled)}" for e in failing]
+    # the problems the trainer's layout can fix: the train phase, an engine beside the trainer in sync
+    trainer_bound = [i for i, e in enumerate(failing) if e.weights + longest * e.kv_per_token <= e.static]
     train_total = _total(items, "train")
     if train_total > device_bytes:
+        trainer_bound.insert(0, len(problems))
+        budget = device_bytes - (train_total - train.total)
         problems.append(f"train phase needs {gb(train_total)} GB > {gb(device_bytes)} GB: activations "
                         f"{gb(train.activations)} GB + log-prob buffers {gb(train.logits)} GB + trainer state "
-                        f"{gb(train.state.total)} GB; fix: "
-                        + _train_fixes(cfg, worst_stage, longest, budget=device_bytes - (train_total - train.total)))
+                        f"{gb(train.state.total)} GB"
+                        + ("; fix: " + _train_fixes(cfg, spec, worst_stage, longest, world_size=world_size,
+                                                    budget=budget) if fixes else ""))
+    if spec.is_moe and fixes and trainer_bound:  # a MoE trainer's state is mostly experts: a layout that fits
+        problems[trainer_bound[0]] += _layout_fix(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
     if _total(items, "rollout") > device_bytes:
         problems.append(f"rollout phase needs {gb(_total(items, 'rollout'))} GB; lower rollout.mem_fraction_static")
     header = (
@@ -414,8 +233,29 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
         f"per GPU = max(trainer.micro_batch_tokens {t.micro_batch_tokens}, longest sequence {longest}) / cp "
         f"{t.cp}; recompute {'on' if t.recompute else 'off'}; worst pipeline stage {train.stage} of {t.pp}",
         f"rollout: {ro.backend}, engine sets for TP {', '.join(map(str, tps))}; static per GPU: {static_name}",
+        # mixture of experts: below the lines a dense model has, which keep their places
+        *((f"experts: {len(spec.moe_layers)} sparse layers of {spec.num_experts} experts (ffn "
+           f"{spec.moe_intermediate_size}), top {spec.experts_per_token}: {expert_param_count(spec) / 1e9:.2f}e9 "
+           f"expert params, {activated_params(spec) / 1e9:.2f}e9 activated per token; trainer ep {t.ep}: "
+           f"{spec.num_experts // t.ep} experts per GPU, each split over tp {t.tp}, expert data parallel "
+           f"{dp * t.cp // t.ep}, {gb(train.state.experts)} GB of the trainer state",) if spec.is_moe else ()),
     )
     return MemoryPlan(header, device_bytes, items, tuple(engines), tuple(problems))
+
+
+def _layout_fix(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool) -> str:
+    """Name the first trainer layout that fits (:func:`fitting_layouts`), or say that none does."""
+    layouts = fitting_layouts(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
+    if not layouts:
+        floor = (BF16 + FP32 + 3 * FP32) * hf_param_count(spec) / world_size  # every weight split world_size ways
+        return ("; no trainer.tp/pp/ep layout fits with the rest as it is" + (
+            f", nor can one: bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, "
+            f"are {gb(floor)} GB per GPU over {world_size} GPUs at best: more GPUs" if floor > device_bytes else ""))
+    tp, pp, ep, min_tp = layouts[0]
+    also = [*(["trainer.stream=false"] if ep > 1 and cfg.trainer.stream else []),
+            *([f"scheduler.planner.min_tp={min_tp} (rollout.tp, short_tp and long_tp >= it)"] if min_tp else [])]
+    return (f"; or the layout trainer.tp={tp} trainer.pp={pp} trainer.ep={ep}"
+            + (f" with {' and '.join(also)}" if also else "") + ", which fits")
 
 
 def _total(items: Sequence[Item], phase: str) -> int:
@@ -433,10 +273,19 @@ def _engine_fix(engine: EnginePlan, engines: list[EnginePlan], planner_enabled: 
     return f"no engine TP fits; {engine.fix}, or a shorter rollout.max_response_length"
 
 
-def _train_fixes(cfg: Config, worst_stage: Callable[..., StagePeak], longest: int, *, budget: int) -> str:
+def _train_fixes(cfg: Config, spec: ModelSpec, worst_stage: Callable[..., StagePeak], longest: int, *,
+                 world_size: int, budget: int) -> str:
     """What would make the trainer fit in ``budget`` bytes, each checked against the same model."""
     t = cfg.trainer
     fixes = []
+    if spec.is_moe:  # a larger ep divides the experts' params and grads (their optimizer shard stays)
+        eps = [ep for ep in expert_parallel_sizes(spec, world_size // (t.tp * t.pp * t.cp) * t.cp) if ep > t.ep]
+        enough = [ep for ep in eps if worst_stage(t.recompute, ep=ep).total <= budget]
+        if eps:
+            ep = enough[0] if enough else eps[-1]
+            fixes.append(f"trainer.ep={ep}{' with trainer.stream=false' if t.stream else ''} (trainer state "
+                         f"{gb(worst_stage(t.recompute, ep=ep).state.total)} GB"
+                         + (")" if enough else ", not enough alone)"))
     if not t.recompute:
         recomputed = worst_stage(True)
         fixes.append(f"trainer.recompute=true (activations {gb(recomputed.activations)} GB"
@@ -452,8 +301,82 @@ def _train_fixes(cfg: Config, worst_stage: Callable[..., StagePeak], longest: in
         else:
             fixes.append(f"trainer.micro_batch_tokens alone does not suffice: the longest sequence "
                          f"({longest} tokens) always gets a micro-batch of its own")
-    fixes.append("a higher trainer.tp or trainer.cp (both divide activations and log-prob buffers)")
+    fixes.append("a higher trainer.cp (divides activations and log-prob buffers; MoE models train at trainer.tp=1)"
+                 if spec.is_moe else "a higher trainer.tp or trainer.cp (both divide activations and log-prob buffers)")
     return "; or ".join(fixes)
+
+
+def expert_parallel_sizes(spec: ModelSpec, dp_cp: int) -> list[int]:
+    """The trainer.ep sizes a layout with ``dp_cp = world / (tp * pp)`` ranks per model replica allows:
+    those dividing both num_experts and dp_cp (1 alone for a dense model)."""
+    return [ep for ep in range(1, dp_cp + 1) if dp_cp % ep == 0 and (spec.num_experts % ep == 0 if spec.is_moe
+                                                                      else ep == 1)]
+
+
+def check_expert_parallel(cfg: Config, spec: ModelSpec | None, world_size: int) -> None:
+    """Refuse a ``trainer.ep`` the layout or the model cannot be split by, naming it and the sizes that work.
+
+    Megatron builds the experts' grid as ep x tp (expert_tensor_parallel_size = tp) x expert DP x pp
+    over the whole world, so ep must divide ``world_size / (tp * pp)``, and whole experts per EP rank,
+    so it must divide ``num_experts``; a dense model has no experts to split. ``spec`` None: the model
+    is not known yet (only the world is checked). rollpacker.config.check_layout refuses the same
+    layouts on every start; this is the plan's own check, for its command line and callers.
+    """
+    t, src = cfg.trainer, cfg.source or "config"
+    if t.ep == 1:
+        return
+    if spec is not None and not spec.is_moe:
+        raise ConfigError(f"{src}: trainer.ep={t.ep} needs a mixture-of-experts model, and {cfg.model.path} is a "
+                          f"dense {spec.model_type} model; set trainer.ep=1")
+    ranks = t.tp * t.pp
+    if world_size % ranks or (world_size // ranks) % t.ep:
+        sizes = (f"among {expert_parallel_sizes(spec, world_size // ranks)}" if spec and not world_size % ranks
+                 else f"dividing {world_size // ranks}" if not world_size % ranks
+                 else "with tp*pp dividing the world size")
+        raise ConfigError(f"{src}: trainer.ep={t.ep} does not divide world size / (trainer.tp*trainer.pp) = "
+                          f"{world_size}/({t.tp}*{t.pp}) = {world_size / ranks:g}, as Megatron's expert grid "
+                          f"(ep x tp x expert data parallel x pp over the world) needs; choose trainer.ep {sizes}")
+    if spec is not None and spec.num_experts % t.ep:
+        raise ConfigError(f"{src}: trainer.ep={t.ep} does not divide the model's num_experts={spec.num_experts} "
+                          f"(each EP rank holds whole experts); choose trainer.ep among "
+                          f"{expert_parallel_sizes(spec, world_size // ranks)}")
+
+
+def fitting_layouts(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int,
+                    te: bool = True) -> list[tuple[int, int, int, int | None]]:
+    """Every trainer (tp, pp, ep) whose memory plan fits, trainer.cp and the rest of ``cfg`` as they are
+    or, where the sync phase fits only beside larger engines, with ``scheduler.planner.min_tp`` raised
+    to the fourth value (None: as it is). Only layouts check_layout would accept (heads, KV heads and
+    FFN widths split by tp, layers by pp, the batch by dp; a mixture-of-experts model at tp 1, with
+    trainer.stream=false where ep > 1); the least split first: no pipeline, then the smallest tp, then
+    the smallest ep."""
+    t, planner, batch = cfg.trainer, cfg.scheduler.planner, cfg.scheduler.p0 * cfg.scheduler.r0
+    found: list[tuple[int, int, int, int | None]] = []
+    for pp in (n for n in range(1, spec.num_layers + 1) if spec.num_layers % n == 0):
+        for tp in range(1, 2 if spec.is_moe else world_size + 1):  # check_layout: MoE at trainer.tp=1
+            if world_size % (tp * pp * t.cp) or batch % (world_size // (tp * pp * t.cp)):
+                continue
+            try:
+                spec.check_tp(tp)
+            except ValueError:
+                continue
+            for ep in expert_parallel_sizes(spec, world_size // (tp * pp)):
+                trial = replace(cfg, trainer=replace(t, tp=tp, pp=pp, ep=ep))
+                plan = plan_memory(trial, spec, world_size=world_size, device_bytes=device_bytes, te=te,
+                                   fixes=False)
+                if plan.fits:
+                    found.append((tp, pp, ep, None))
+                    continue
+                if not planner.enabled:
+                    continue
+                # fewer, larger engine sets: less engine weight and fewer CUDA contexts beside the trainer
+                for min_tp in (e.tp for e in plan.engines if e.tp > planner.min_tp):
+                    fewer = replace(trial, scheduler=replace(cfg.scheduler, planner=replace(planner, min_tp=min_tp)))
+                    if plan_memory(fewer, spec, world_size=world_size, device_bytes=device_bytes, te=te,
+                                   fixes=False).fits:
+                        found.append((tp, pp, ep, min_tp))
+                        break
+    return found
 
 
 # ---- entry points -------------------------------------------------------------------------------
@@ -501,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/qwen2.5-7b.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.recompute=true")
     p.add_argument("--nodes", type=int,
-                   help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B, 1 for Qwen3-8B), else 1")
+                   help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B, 1 for Qwen3-8B; "
+                        "2 for Qwen3-30B-A3B), else 1")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--device-gb", type=float, default=DEFAULT_DEVICE_GB, help="GPU memory in GB of 1e9 bytes")
     p.add_argument("--no-te", dest="te", action="store_false",

@@ -33,6 +33,8 @@ class Sample:
     response_index: int  # 0..n-1 among the responses launched for this prompt
     response_ids: Sequence[int] = field(default_factory=list)  # as the engine's completion holds them
     rollout_logprobs: Sequence[float] = field(default_factory=list)
+    # a MoE engine's expert choices at every token it fed (``Completion.routed_experts``); empty if none
+    routed_experts: Sequence[int] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # reward
     reward: float | None = None
@@ -61,12 +63,14 @@ class Sample:
         # packed: a Python object per token, made on unpickling, was the largest cost rank 0 paid per
         # response. A completion made in another process arrives packed already (``Completion``).
         state = {**self.__dict__, "response_ids": packed("i", self.response_ids),
-                 "rollout_logprobs": packed("d", self.rollout_logprobs)}
+                 "rollout_logprobs": packed("d", self.rollout_logprobs),
+                 "routed_experts": packed("h", self.routed_experts)}
         return _blank_sample, (), state
 
 
-_PACKED_FIELDS = ("response_index", "response_ids", "rollout_logprobs", "finish_reason", "reward", "correct",
-                  "reward_reason", "submitted_at", "finished_at", "scored_at", "advantage")
+_PACKED_FIELDS = ("response_index", "response_ids", "rollout_logprobs", "routed_experts", "finish_reason", "reward",
+                  "correct", "reward_reason", "submitted_at", "finished_at", "scored_at", "advantage")
+_TYPECODES = {"response_ids": "i", "rollout_logprobs": "d", "routed_experts": "h"}  # packed fields
 
 
 class SampleGroup:
@@ -140,8 +144,7 @@ class SampleGroup:
     def _pack(self) -> list[bytes]:
         if self._samples is None:
             return self._packed
-        return [pickle.dumps([tuple(packed("i", v) if f == "response_ids" else packed("d", v)
-                                    if f == "rollout_logprobs" else v
+        return [pickle.dumps([tuple(packed(_TYPECODES[f], v) if f in _TYPECODES else v
                                     for f, v in zip(_PACKED_FIELDS, map(s.__dict__.get, _PACKED_FIELDS)))
                               for s in self._samples], pickle.HIGHEST_PROTOCOL)]
 

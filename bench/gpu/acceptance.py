@@ -72,6 +72,13 @@ REPO = Path(__file__).resolve().parents[2]
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen3-30B-A3B's widths (hidden 2048, 32 heads of 128, 4 KV heads, experts of 768, top-8) with 2 layers
+# of 64 experts: 0.6e9 parameters, random, written as fp32 safetensors (~2.5 GB) once per GPU call.
+QWEN3_MOE_WIDTHS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[],
+                        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
+MOE_NAME = "qwen3-moe-widths-2l"
 TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 
@@ -218,6 +225,15 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
     def profile(name: str) -> Path | None:
         return profile_dir / f"profile-{name}.txt" if profile_dir else None
 
+    def moe_subject() -> Subject:
+        """The MoE checks' model (``QWEN3_MOE_WIDTHS``), written on first use."""
+        from testkit import make_random_qwen3_moe
+
+        model_dir = work / MOE_NAME
+        if not model_dir.exists():
+            make_random_qwen3_moe(work / f"{MOE_NAME}.partial", seed=13, **QWEN3_MOE_WIDTHS).rename(model_dir)
+        return Subject(MOE_NAME, model_dir, device, layout, dtype, lr=sizes.shape_lr)
+
     checks.update({
         f"{big.name}/trainer_throughput": lambda: _with_goal(big.name, trainer.check_throughput(
             big, sizes.throughput_tokens, sizes.throughput_micro_batches, profile=profile(big.name))),
@@ -228,6 +244,10 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
                 profile=profile(sizes.widths_name))),
         "attention/packed_kernels": lambda: attention.check_packed_kernels(device),
         "policy/sglang_race_ledger": lambda: race.check_race_ledger(subjects[0]),
+        f"{MOE_NAME}/logprob_parity": lambda: trainer.check_logprob_parity(moe_subject()),
+        f"{MOE_NAME}/sglang_engine": lambda: sglang.check_engine(moe_subject(), progress=progress),
+        f"{MOE_NAME}/trainer_throughput": lambda: trainer.check_throughput(
+            moe_subject(), sizes.throughput_tokens, sizes.throughput_micro_batches, profile=profile(MOE_NAME)),
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
@@ -260,6 +280,10 @@ def check_names(device: torch.device) -> list[str]:
             # sglang reads the seed only with deterministic inference, a GPU mode (on CPU:
             # tests/integration/test_sglang_real.py's race check, with replayed lengths)
             + (["policy/sglang_race_ledger"] if device.type == "cuda" else [])
+            # MoE on the device, after the dense checks (on CPU: tests/unit/test_moe.py,
+            # tests/integration/test_sglang_real.py's MoE engine, test_train_program.py's MoE run)
+            + ([f"{MOE_NAME}/{c}" for c in ("logprob_parity", "sglang_engine", "trainer_throughput")]
+               if device.type == "cuda" else [])
             + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching",
                "program/replay_baseline_vs_tail_batching", "program/sglang_replay_baseline_vs_tail_batching"])
 

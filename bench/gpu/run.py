@@ -68,6 +68,10 @@ GPU_BUDGETS_S = {
     # estimate: an sglang start for the tiny policy (~30-40 s, the RoPE kernel compiled by then), two
     # runs of 3 short rounds and the long rounds between them at P0=8, R0=4, 128 tokens (~10 s each)
     "policy/sglang_race_ledger": 120,
+    # estimates: writing the 0.6e9-parameter random MoE (~10 s) then as the dense checks of its size
+    "qwen3-moe-widths-2l/logprob_parity": 60,
+    "qwen3-moe-widths-2l/sglang_engine": 240,
+    "qwen3-moe-widths-2l/trainer_throughput": 90,
     # estimate: two runs of 5 steps at P0=32, R0=8 on the 0.5B shape with replayed lengths (limit 1,024,
     # median 37): a baseline step decodes ~1,000 steps at ~10 ms, ~10 s; torchrun and model load ~40 s each
     "program/replay_baseline_vs_tail_batching": 200,

@@ -5,7 +5,7 @@ arguments), on the device under test.
 ``check_engine`` starts one engine and runs, in order, what a training run relies on:
 
 * ``kv``: the engine's KV pool (``max_total_num_tokens``) against the memory plan's prediction for
-  this model at ``rollout.mem_fraction_static`` (``rollpacker.plan``). sglang sizes the pool as the
+  this model at ``rollout.mem_fraction_static`` (``rollpacker.plan_sizes``). sglang sizes the pool as the
   memory free after loading the weights less ``(1 - mem_fraction_static)`` of the device
   (``model_runner``'s ``profile_max_num_token``), so on an otherwise empty GPU it lands a CUDA
   context and sglang's own buffers below the plan; a plan that over-predicts by more than 5% would
@@ -47,7 +47,7 @@ import torch
 from bench.gpu.rollout_checks import drain, hf_greedy, hf_model
 from bench.gpu.trainer_checks import Subject, trainer_config
 from rollpacker.hf_spec import parse_spec
-from rollpacker.plan import FP32, BF16, engine_weight_bytes, kv_bytes_per_token
+from rollpacker.plan_sizes import FP32, BF16, engine_weight_bytes, kv_bytes_per_token
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine

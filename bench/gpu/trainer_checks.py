@@ -411,12 +411,15 @@ def check_throughput_7b_widths(work: Path, device: torch.device, layout: Paralle
 
 def training_flops(model_dir: Path, lengths: list[int]) -> float:
     """Model FLOPs of one forward+backward (Narayanan et al. 2021 accounting, causal attention halved):
-    6 x matmul params x tokens, plus 6 x layers x heads x head_dim x sum(s^2) for QK^T and AV."""
+    6 x matmul params x tokens, plus 6 x layers x heads x head_dim x sum(s^2) for QK^T and AV. A MoE
+    layer counts its router and the top-k experts each token runs through (activated parameters)."""
     spec = parse_spec(model_dir)
     h, v = spec.hidden_size, spec.vocab_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * spec.intermediate_size
-    matmul_params = spec.num_layers * per_layer + v * h  # the output projection; the embedding is a lookup
+    mlp = sum(h * spec.num_experts + 3 * h * spec.experts_per_token * spec.moe_intermediate_size
+              if i in spec.moe_layers else 3 * h * spec.intermediate_size for i in range(spec.num_layers))
+    # the output projection; the embedding is a lookup
+    matmul_params = spec.num_layers * (h * (q + 2 * kv) + q * h) + mlp + v * h
     tokens = sum(lengths)
     attention = 6 * spec.num_layers * q * sum(s * s for s in lengths)
     return 6.0 * matmul_params * tokens + attention
@@ -425,7 +428,7 @@ def training_flops(model_dir: Path, lengths: list[int]) -> float:
 def _predicted_peak(spec: Any, tokens: int, dtype: str) -> dict[str, Any]:
     """The memory plan's prediction of the trainer's peak, when the plan module offers one."""
     try:
-        from rollpacker.plan import trainer_peak_bytes
+        from rollpacker.plan_sizes import trainer_peak_bytes
     except ImportError:
         return {}
     try:

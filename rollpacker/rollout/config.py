@@ -73,6 +73,8 @@ class RolloutConfig:
     # (data.max_prompt_length + max_response_length), so its log-probs equal the CPU trainer's bit for
     # bit (rollpacker/rollout/matched.py); no KV cache, so every decode step costs a whole window
     match_trainer: bool = False
+    # the engine reports the experts its MoE router chose for every token (trainer.routing_replay replays them)
+    return_routing: bool = False
     # each response as long as a trace says, stop tokens ignored: a timing tool (rollpacker.rollout.replay)
     length_replay: ReplayConfig = field(default_factory=ReplayConfig)
 

@@ -105,7 +105,18 @@ class GenerationRequest:
 class Completion:
     """One finished (or evicted) request. Its tokens are sequences: lists as an in-process engine
     makes them, packed arrays (``array('i')``, ``array('d')``) once the completion crossed a process
-    boundary; compare them with ``list(...)``."""
+    boundary; compare them with ``list(...)``.
+
+    ``routed_experts`` (``RolloutConfig.return_routing`` on a MoE model; empty otherwise, a dense model
+    included): the experts the router chose at every position the engine fed through the model for this
+    request, i.e. the prompt's tokens and every output token but the last (never fed back), flattened
+    from [position, sparse layer (``spec.moe_layers`` order), top-k (descending weight, as ``torch.topk``
+    gives)], positions counted from the prompt's first token: ``(len(prompt) + len(output_ids) - 1) *
+    len(moe_layers) * experts_per_token`` ints. Each position is written once, when first fed: a
+    preempted request's recomputed positions keep their first routing; a migrated request's resumed
+    tokens are routed by the engine it resumed on. An evicted request's holds the positions fed on its
+    engine so far. A packed ``array('i')`` (in-process too).
+    """
 
     request_id: str
     output_ids: Sequence[int]
@@ -114,13 +125,15 @@ class Completion:
     submitted_at: float = 0.0
     finished_at: float = 0.0
     engine_id: int = 0
+    routed_experts: Sequence[int] = ()
 
     def __reduce__(self):
         # Between processes (an engine's server to rank 0) the tokens travel, and stay, packed: a
         # Python object per token, made on unpickling or copying, was the largest cost rank 0 paid
-        # per response. Logprobs stay float64, exactly as the engine reported them.
+        # per response. Logprobs stay float64, exactly as the engine reported them. Routing too.
+        routed = packed("i", self.routed_experts) if len(self.routed_experts) else ()
         return Completion, (self.request_id, packed("i", self.output_ids), packed("d", self.logprobs),
-                            self.finish_reason, self.submitted_at, self.finished_at, self.engine_id)
+                            self.finish_reason, self.submitted_at, self.finished_at, self.engine_id, routed)
 
 
 

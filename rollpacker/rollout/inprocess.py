@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import abc
+import array
 import random
 import time
 from dataclasses import dataclass, field
 from collections import deque
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from rollpacker.rollout.engine import (FINISH_EVICTED, MEMORY_TAGS, Completion, GenerationRequest, RequestError,
@@ -22,6 +24,17 @@ class QueuedRequest:
     submitted_at: float
     output_ids: list[int] = field(default_factory=list)  # kept across a preemption or a migration
     logprobs: list[float] = field(default_factory=list)
+    # the experts chosen at each position fed so far, flat [position, sparse layer, k], packed as narrow as
+    # the expert count allows; kept across a preemption (None: the engine records no routing)
+    routing: array.array | None = None
+
+    def routed_experts(self) -> Sequence[int]:
+        """``Completion.routed_experts``: the routing as an ``array('i')`` (empty: none recorded)."""
+        if not self.routing:
+            return ()
+        wide = array.array("i")
+        wide.frombytes(np.frombuffer(self.routing, dtype=self.routing.typecode).astype(np.intc).tobytes())
+        return wide
 
     @classmethod
     def queue(cls, r: GenerationRequest, seeds: random.Random) -> "QueuedRequest":
@@ -91,7 +104,8 @@ class InProcessEngine(RolloutEngine):
         """``evict``'s answer: finished ones as they are, the others with their tokens so far."""
         now = time.monotonic()
         return [c for c in self._done if c.request_id in ids] + [
-            Completion(r.req.request_id, r.output_ids, r.logprobs, FINISH_EVICTED, r.submitted_at, now, self.engine_id)
+            Completion(r.req.request_id, r.output_ids, r.logprobs, FINISH_EVICTED, r.submitted_at, now, self.engine_id,
+                       r.routed_experts())
             for r in [*self._running, *self._waiting] if r.req.request_id in ids]
 
     def _require_leader(self) -> None:

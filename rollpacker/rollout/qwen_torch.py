@@ -14,7 +14,8 @@ routes every token alike, and shard each expert exactly as the dense MLP (gate/u
 column-, down row-parallel): a rank computes its slice of every chosen expert and the
 one all-reduce after the MLP sums the slices. Routing follows transformers: softmax in
 float32, top-k, optionally renormalised; the tokens of each expert are gathered and
-run as one batch, and their weighted outputs added back in ascending expert order.
+run as one batch, and their weighted outputs added back in ascending expert order. ``forward`` hands
+the chosen experts back on request (``RolloutConfig.return_routing``: the trainer replays them).
 """
 from __future__ import annotations
 
@@ -272,8 +273,11 @@ class QwenTP:
         return x
 
     @torch.no_grad()
-    def forward(self, plan: ForwardPlan, kv: PagedKV) -> torch.Tensor:
-        """Run the layers, write KV, and return the final hidden state of each row's last token."""
+    def forward(self, plan: ForwardPlan, kv: PagedKV, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the layers, write KV, and return the final hidden state of each row's last token.
+
+        ``routes``: a list to which each sparse layer, in ``spec.moe_layers`` order, appends the experts its
+        router chose for every token, [B, T, top-k] (descending weight; padded tokens' rows are junk)."""
         s, p, d = self.spec, self.params, self.spec.head_dim
         ids = plan.input_ids.to(self.device)
         lengths = plan.lengths.to(self.device)
@@ -316,17 +320,22 @@ class QwenTP:
             x = x + self._reduce(F.linear(attn.transpose(1, 2).reshape(bsz, t, q_size), p[f"{i}.o"]))
             h = self._rms(x, p[f"{i}.ln2"])
             if i in s.moe_layers:
-                x = x + self._reduce(self._moe(i, h.view(bsz * t, -1)).view(bsz, t, -1))
+                x = x + self._reduce(self._moe(i, h.view(bsz * t, -1), routes).view(bsz, t, -1))
+                if routes is not None:
+                    routes[-1] = routes[-1].view(bsz, t, -1)
             else:
                 gate, up = F.linear(h, p[f"{i}.gate_up"]).chunk(2, dim=-1)
                 x = x + self._reduce(F.linear(F.silu(gate) * up, p[f"{i}.down"]))
         return x[torch.arange(bsz, device=self.device), lengths - 1] if valid is not None else x[:, 0]
 
-    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """This rank's part of sparse layer ``i``'s MLP on tokens ``h`` [N, hidden] (before the TP reduce)."""
+    def _moe(self, i: int, h: torch.Tensor, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """This rank's part of sparse layer ``i``'s MLP on tokens ``h`` [N, hidden] (before the TP reduce);
+        appends the chosen experts [N, top-k] to ``routes`` if given."""
         s, p = self.spec, self.params
         logits = F.linear(h, p[f"{i}.router"])
         weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), s.experts_per_token, dim=-1)
+        if routes is not None:
+            routes.append(experts)
         if s.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(logits.dtype)

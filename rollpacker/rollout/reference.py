@@ -13,6 +13,9 @@ Scheduling (on the leader):
   admitted request is preempted by recompute: its KV is dropped, its generated
   tokens kept, and it is re-queued at the front (it is re-prefilled over prompt +
   generated tokens on re-admission, which yields its next token).
+- ``RolloutConfig.return_routing`` on a MoE model: the leader appends the experts each forward
+  chose at each newly fed position to its request's record (``Completion.routed_experts``); a
+  re-prefill after a preemption recomputes positions already recorded and keeps the first routing.
 
 Tensor parallelism: a process group of ranks forms one engine. The group's first
 rank (the leader) owns all scheduling state and samples from full logits (lm_head
@@ -25,6 +28,7 @@ tensors or tags, so they need no broadcast either.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 import time
@@ -96,7 +100,7 @@ class ReferenceEngine(InProcessEngine):
     ``model``: an HF Qwen2 or Qwen3 directory (``config.json`` + ``*.safetensors``), or a pair
     ``(HF config dict or ModelSpec, {HF name: full tensor})``. ``cfg``: the rollout
     section (``kv_cache_tokens``, ``kv_page_size``, ``max_running_requests``,
-    ``max_prefill_tokens``, ``seed``). ``group``: the ranks forming this engine (None:
+    ``max_prefill_tokens``, ``seed``, ``return_routing``). ``group``: the ranks forming this engine (None:
     this process alone); every rank of the group constructs the engine; the leader
     (group rank 0) makes the request-plane calls while the others sit in
     ``serve_follower()``; control-plane calls are made by every rank (see ``RolloutEngine``).
@@ -128,6 +132,12 @@ class ReferenceEngine(InProcessEngine):
         self._rows: _Rows | None = None
         self._missing_weights: set[str] = set()
         self._stats = EngineStats(kv_tokens_capacity=self.num_pages * self.page_size)
+        # routing replay: the experts chosen per fed position, stored as narrow as the expert count allows
+        self._routing = cfg.return_routing and bool(spec.moe_layers)
+        if self._routing:
+            self._route_width = len(spec.moe_layers) * spec.experts_per_token  # ints per position
+            narrow = (("B", torch.uint8, 1 << 8), ("h", torch.int16, 1 << 15), ("i", torch.int32, 1 << 31))
+            self._route_code, self._route_dtype = next((c, d) for c, d, n in narrow if spec.num_experts <= n)
 
     # ---- interface -----------------------------------------------------------------------------
     def abort(self, request_ids: Iterable[str]) -> None:
@@ -271,17 +281,48 @@ class ReferenceEngine(InProcessEngine):
             used_pages = int(rows.n_pages.max())  # the table may be wider than any row needs
             plan = ForwardPlan("decode", rows.last_token.unsqueeze(1), pos + 1, pages, pos % self.page_size,
                                rows.block_table[:, :used_pages])
-            logits = self._forward(plan)
+            routes = [] if self._routing else None
+            logits = self._forward(plan, routes)
+            if routes is not None:
+                self._record_decode_routing(routes)
             rows.seq_len = pos + 1
             self._emit(rows, logits)
         self._admit()
         self._retire_finished()
 
-    def _forward(self, plan: ForwardPlan) -> torch.Tensor:
-        self._send("forward", plan)
+    def _forward(self, plan: ForwardPlan, routes: list[torch.Tensor] | None = None) -> torch.Tensor:
+        self._send("forward", plan)  # followers route alike and report nothing
         # Logits stay where the model is: copying [batch, vocab] to the host every step cost
         # ~120 ms per decode step at batch 256 with a 152k vocabulary on an H100.
-        return self.model.logits(self.model.forward(plan, self.kv))
+        return self.model.logits(self.model.forward(plan, self.kv, routes))
+
+    def _routes_host(self, routes: list[torch.Tensor]) -> torch.Tensor:
+        """A forward's ``routes`` as one host tensor [B, T, sparse layers * k] of ``_route_dtype``."""
+        return torch.stack(routes, 2).to(self._route_dtype).flatten(2).cpu()
+
+    def _record_decode_routing(self, routes: list[torch.Tensor]) -> None:
+        """Append the decode step's routing (one position per running row) to each row's request."""
+        step = self._routes_host(routes)[:, 0].numpy()
+        for r, row in zip(self._running, step):
+            r.routing.frombytes(row)
+
+    def _record_prefill_routing(self, reqs: list[QueuedRequest], lengths: list[int],
+                                routes: list[torch.Tensor]) -> None:
+        """Append the prefill's routing of the positions each request had not recorded yet (a preempted
+        request's recomputed positions keep their first routing)."""
+        prefill = self._routes_host(routes).numpy()
+        for r, row, n in zip(reqs, prefill, lengths):
+            if r.routing is None:
+                r.routing = array.array(self._route_code)
+            r.routing.frombytes(row[len(r.routing) // self._route_width:n])
+
+    def _routed(self, r: QueuedRequest, n_gen: int) -> Sequence[int]:
+        """``r``'s ``Completion.routed_experts`` once it generated ``n_gen`` tokens."""
+        if not self._routing:
+            return ()
+        fed = len(r.req.input_ids) + n_gen - 1
+        assert len(r.routing) == fed * self._route_width, (r.req.request_id, len(r.routing), fed)
+        return r.routed_experts()
 
     def _emit(self, rows: _Rows, logits: torch.Tensor) -> None:
         """Sample each row's next token and record it with its log-prob."""
@@ -362,7 +403,10 @@ class ReferenceEngine(InProcessEngine):
         valid = t < lengths.unsqueeze(1)
         plan = ForwardPlan("prefill", _padded(seqs, 0, torch.long), lengths,
                            table.gather(1, t // self.page_size)[valid], (t % self.page_size)[valid])
-        logits = self._forward(plan)
+        routes = [] if self._routing else None
+        logits = self._forward(plan, routes)
+        if routes is not None:
+            self._record_prefill_routing(reqs, lengths.tolist(), routes)
         params = [r.req.params for r in reqs]
         rows = _Rows(seq_len=lengths, last_token=torch.zeros(len(reqs), dtype=torch.long),
                      n_gen=torch.tensor([len(r.output_ids) for r in reqs]),
@@ -395,7 +439,8 @@ class ReferenceEngine(InProcessEngine):
             self._done.append(Completion(
                 request_id=r.req.request_id, output_ids=rows.out_ids[i, :n].tolist(),
                 logprobs=rows.out_lp[i, :n].tolist(), finish_reason=FINISH_STOP if stopped[i] else FINISH_LENGTH,
-                submitted_at=r.submitted_at, finished_at=now, engine_id=self.engine_id))
+                submitted_at=r.submitted_at, finished_at=now, engine_id=self.engine_id,
+                routed_experts=self._routed(r, n)))
             self._free_row_pages(i)
         if finished:
             self._drop_rows(finished)

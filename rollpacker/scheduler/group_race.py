@@ -292,6 +292,7 @@ class GroupRace:
     def _fill(sample: Sample, c: Completion, now: float) -> None:
         sample.response_ids = c.output_ids  # not copied: per token, that was the coordinator's largest cost
         sample.rollout_logprobs = c.logprobs
+        sample.routed_experts = c.routed_experts
         sample.finish_reason = c.finish_reason
         sample.finished_at = now
 

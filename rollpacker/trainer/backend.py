@@ -34,6 +34,7 @@ from megatron.core import tensor_parallel
 from megatron_ext.logprobs import token_logprobs
 from megatron_ext.parallel import ParallelLayout
 from megatron_ext.weights import unwrap
+from rollpacker.hf_spec import ModelSpec
 from rollpacker.trainer import mismatch
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.grpo import LossSums, grpo_token_loss
@@ -193,9 +194,14 @@ class Backend(abc.ABC):
         self._offload = StorageOffload(layout.device)
 
     @property
+    def spec(self) -> ModelSpec:
+        """The architecture of the HF checkpoint the model was built from."""
+        return unwrap(self.model).hf_spec
+
+    @property
     def vocab_size(self) -> int:
         """The real (HF) vocabulary; the model's output layer is padded beyond it."""
-        return unwrap(self.model).hf_spec.vocab_size
+        return self.spec.vocab_size
 
     @abc.abstractmethod
     def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,

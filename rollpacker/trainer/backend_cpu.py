@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.parallel import ParallelLayout
-from megatron_ext.weights import unwrap
+from megatron_ext.routing import replayed
 from rollpacker.trainer.backend import Backend, LossFn, StepResult, global_grad_norm, state_tensors
 from rollpacker.trainer.config import TrainerConfig
 from rollpacker.trainer.packing import MicroBatch
@@ -62,9 +62,9 @@ class CpuBackend(Backend):
                          forward_only: bool = False) -> list[Any]:
         results = []
         self.model.train(not forward_only)
-        moe = unwrap(self.model).hf_spec.is_moe
+        moe = self.spec.is_moe
         for mb in micro_batches:
-            with torch.set_grad_enabled(not forward_only):
+            with torch.set_grad_enabled(not forward_only), replayed(self.model, mb.routing):
                 # right padding + causal attention: no real token attends to padding; a MoE router
                 # leaves padding out of its load-balancing loss
                 logits = self.model(mb.input_ids, mb.position_ids, attention_mask=None,

@@ -15,6 +15,7 @@ compute exactly the trainer's sum-then-normalise objective (grpo.py):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -30,6 +31,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_thd_batch_on_this_cp_rank
 
 from megatron_ext.parallel import ParallelLayout
+from megatron_ext.routing import replayed
 from megatron_ext.sdpa_attention import set_packed_attention, uses_sdpa_attention
 from rollpacker.trainer.backend import Backend, LossFn, StepResult, state_tensors
 from rollpacker.trainer.config import TrainerConfig
@@ -149,6 +151,10 @@ class GpuBackend(Backend):
     def _forward_step(self, loss_fn: LossFn, data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
         mb, params = cp_shard(next(data_iterator).to(self.layout.device, seqlens_device=self._seqlens_device),
                               self.layout.cp, self.layout.cp_rank)
+        # routing replay: set for each micro-batch's forward and left set through its backward, which
+        # the schedule runs before the next forward (recompute is refused with replay); cleared when
+        # forward_backward returns
+        self._replays.enter_context(replayed(self.model, mb.routing))
         output = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=params)
 
         def loss_func(logits: torch.Tensor):
@@ -163,11 +169,12 @@ class GpuBackend(Backend):
         if not micro_batches:
             return []
         self.ddp.train(not forward_only)
-        store = self._forward_backward_func(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
-            model=[self.ddp], num_microbatches=len(micro_batches),
-            seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
-            forward_only=forward_only, **self._schedule_groups)
+        with contextlib.ExitStack() as self._replays:
+            store = self._forward_backward_func(
+                forward_step_func=partial(self._forward_step, loss_fn), data_iterator=iter(micro_batches),
+                model=[self.ddp], num_microbatches=len(micro_batches),
+                seq_length=max(mb.input_ids.shape[1] for mb in micro_batches), micro_batch_size=1,
+                forward_only=forward_only, **self._schedule_groups)
         return [out["result"] for out in store] if self.layout.is_last_stage else []
 
     def zero_grad(self) -> None:

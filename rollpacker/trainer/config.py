@@ -70,6 +70,10 @@ class TrainerConfig:
     # sparse layers, enters the objective once and is divided by the step's tokens with the policy
     # loss.
     moe_aux_loss_coef: float | None = None
+    # MoE: the trainer's routers take the experts the rollout engine chose for each token (which
+    # needs rollout.return_routing), so that its log-probs go through the experts that generated the
+    # response (megatron_ext/routing.py)
+    routing_replay: bool = False
     lr: float = 1e-6
     # Linear warm-up: optimizer step k (from 1) runs at lr * min(1, k / lr_warmup_steps). Adam's
     # first bias-corrected updates move every weight by about lr whatever its gradient, so a fresh

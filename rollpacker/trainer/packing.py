@@ -139,6 +139,10 @@ class MicroBatch:
     num_tokens: int  # real (unpadded) tokens, the compute cost
     num_sequences: int
     ref_logprobs: torch.Tensor | None = None  # filled by the trainer when kl_coef > 0
+    # routing replay: the engine's experts per position [*input_ids.shape, sparse layers, k] (long);
+    # positions it never fed (a sequence's last token, padding) name experts 0..k-1, whose outputs
+    # no trained position reads
+    routing: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, *, seqlens_device: torch.device | str | None = None) -> "MicroBatch":
         """Every tensor on ``device``, except ``cu_seqlens*`` on ``seqlens_device`` (default: ``device``)."""
@@ -186,10 +190,27 @@ def check_trainable(sample: Sample) -> None:
         raise ValueError(f"sample {sample.request_id} has no response tokens")
 
 
+def _routing(samples: Sequence[Sample], starts: Sequence[tuple[int, int]], shape: tuple[int, int],
+             experts: tuple[int, int]) -> torch.Tensor:
+    """``MicroBatch.routing`` of ``samples`` placed at (row, column) ``starts`` in a ``shape`` grid;
+    ``experts``: (sparse layers, k)."""
+    layers, k = experts
+    out = torch.arange(k).expand(*shape, layers, k).clone()
+    for s, (row, col) in zip(samples, starts):
+        fed = len(s.prompt.input_ids) + len(s.response_ids) - 1
+        if len(s.routed_experts) != fed * layers * k:
+            raise ValueError(f"sample {s.request_id}: {len(s.routed_experts)} routed experts for {fed} fed tokens x "
+                             f"{layers} sparse layers x top-{k}; the engine must report routing (rollout.return_routing)")
+        out[row, col:col + fed] = torch.tensor(s.routed_experts, dtype=torch.long).view(fed, layers, k)
+    return out
+
+
 def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, layout: Layout,
-                      pad_multiple: int = 1, row_width: int | None = None) -> MicroBatch:
+                      pad_multiple: int = 1, row_width: int | None = None,
+                      experts: tuple[int, int] | None = None) -> MicroBatch:
     """Lay out ``samples`` as one micro-batch. ``pad_multiple`` (thd) rounds each sequence up,
-    as context/sequence parallelism require; ``row_width`` (padded) fixes the rows' width."""
+    as context/sequence parallelism require; ``row_width`` (padded) fixes the rows' width.
+    ``experts``: (sparse layers, top-k) of a model whose routing is replayed."""
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
     for s in samples:
@@ -203,8 +224,10 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
             raise ValueError(f"a sequence of {max(lengths)} tokens does not fit rows of {row_width}")
         cols = {k: torch.tensor([r[k] + [_PAD.get(k, 0)] * (width - len(r[k])) for r in rows], dtype=dt)
                 for k, dt in _DTYPES.items()}
+        routing = None if experts is None else _routing(samples, [(i, 0) for i in range(len(rows))],
+                                                        (len(rows), width), experts)
         return MicroBatch(**cols, layout=layout, cu_seqlens=None, cu_seqlens_unpadded=None,
-                          max_seqlen=width, num_tokens=sum(lengths), num_sequences=len(rows))
+                          max_seqlen=width, num_tokens=sum(lengths), num_sequences=len(rows), routing=routing)
     if layout != "thd":
         raise ValueError(f"micro-batch layout must be 'padded' or 'thd', got {layout!r}")
     padded = [-(-n // pad_multiple) * pad_multiple for n in lengths]
@@ -217,8 +240,10 @@ def build_micro_batch(samples: Sequence[Sample], *, aggregation: Aggregation, la
         cols[k] = torch.tensor([flat], dtype=dt)
     offsets = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     true_offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    routing = None if experts is None else _routing(samples, [(0, int(o)) for o in offsets[:-1]],
+                                                    (1, int(offsets[-1])), experts)
     return MicroBatch(**cols, layout=layout, cu_seqlens=offsets, cu_seqlens_unpadded=true_offsets,
-                      max_seqlen=max(padded), num_tokens=sum(lengths), num_sequences=len(rows))
+                      max_seqlen=max(padded), num_tokens=sum(lengths), num_sequences=len(rows), routing=routing)
 
 
 def filler_micro_batch(layout: Layout, *, rows: int = 1, width: int = 1) -> MicroBatch:
@@ -244,16 +269,22 @@ def pad_micro_batch(mb: MicroBatch, rows: int, width: int) -> MicroBatch:
         getattr(out, k)[:r, :w] = getattr(mb, k)
     if mb.ref_logprobs is not None:
         raise ValueError("pad a micro-batch before its reference log-probs are attached")
+    routing = None
+    if mb.routing is not None:
+        layers, k = mb.routing.shape[2:]
+        routing = torch.arange(k).expand(rows, width, layers, k).clone()
+        routing[:r, :w] = mb.routing
     return MicroBatch(**{k: getattr(out, k) for k in _DTYPES}, layout="padded", cu_seqlens=None,
                       cu_seqlens_unpadded=None, max_seqlen=width, num_tokens=mb.num_tokens,
-                      num_sequences=mb.num_sequences)
+                      num_sequences=mb.num_sequences, routing=routing)
 
 
 def plan_micro_batches(samples: Sequence[Sample], *, budget: int, aggregation: Aggregation, layout: Layout,
-                       pad_multiple: int = 1, row_width: int | None = None) -> list[MicroBatch]:
+                       pad_multiple: int = 1, row_width: int | None = None,
+                       experts: tuple[int, int] | None = None) -> list[MicroBatch]:
     """Pack ``samples`` into micro-batches that each cost at most ``budget`` tokens in ``layout``
-    (rows of ``row_width`` cost that much each)."""
+    (rows of ``row_width`` cost that much each); ``experts``: see ``build_micro_batch``."""
     lengths = [sequence_length(s) if row_width is None else row_width for s in samples]
     groups = pack(lengths, budget, layout)
     return [build_micro_batch([samples[i] for i in g], aggregation=aggregation, layout=layout,
-                              pad_multiple=pad_multiple, row_width=row_width) for g in groups]
+                              pad_multiple=pad_multiple, row_width=row_width, experts=experts) for g in groups]

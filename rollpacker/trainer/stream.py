@@ -97,6 +97,9 @@ class StreamTrainer:
         self._mismatch_shape = (len(cfg.mismatch.length_buckets) + 1, len(mismatch.STATS))
         self._ref_fn = partial(logprobs_only, tp_group=layout.tp_group, vocab_size=backend.vocab_size)
         self._open = False
+        spec = backend.spec
+        # (sparse layers, top-k) of a model whose routing the trainer replays
+        self._experts = (len(spec.moe_layers), spec.experts_per_token) if cfg.routing_replay else None
 
     # -- one step -----------------------------------------------------------------------------------
 
@@ -188,7 +191,8 @@ class StreamTrainer:
         every rank of the EP group runs it together, with or without samples (``Backend.lockstep``)."""
         mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
                                  aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
-                                 pad_multiple=self.backend.pad_multiple, row_width=self.row_width) if samples else []
+                                 pad_multiple=self.backend.pad_multiple, row_width=self.row_width,
+                                 experts=self._experts) if samples else []
         mbs = self.backend.lockstep(mbs)
         if mbs:
             if self.cfg.kl_coef > 0:

@@ -47,7 +47,8 @@ class Trainer:
         self.model = build_model(self.model_dir, params_dtype=_DTYPES[cfg.params_dtype],
                                  pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                                  pg_collection=layout.pg_collection, recompute=cfg.recompute,
-                                 aux_loss_coef=cfg.moe_aux_loss_coef).to(layout.device)
+                                 aux_loss_coef=cfg.moe_aux_loss_coef,
+                                 routing_replay=cfg.routing_replay).to(layout.device)
         load_hf_checkpoint(self.model, self.model_dir)
         self.backend = make_backend(self.model, layout, cfg)
         if row_width is not None and self.backend.micro_batch_layout != "padded":

@@ -72,7 +72,10 @@ def test_expert_layouts_the_trainer_or_sglang_cannot_run_are_refused_before_work
             (["trainer.ep=3", "trainer.stream=false", "scheduler.p0=6"], 6,
              r"num_experts=8 is not divisible by expert-parallel size 3"),
             (["trainer.tp=2"], 2, r"trainer.tp=2 with the mixture-of-experts model at .*trainer.ep"),
-            (["rollout.backend=sglang"], 2, r"dense layers \[1\] .*sglang builds every Qwen3-MoE layer sparse")):
+            (["rollout.backend=sglang"], 2, r"dense layers \[1\] .*sglang builds every Qwen3-MoE layer sparse"),
+            (["trainer.routing_replay=true"], 2, r"routing_replay=true: .*set rollout.return_routing=true"),
+            (["trainer.routing_replay=true", "rollout.return_routing=true", "trainer.recompute=true"], 2,
+             r"routing_replay=true: a recomputed forward")):
         with pytest.raises(ConfigError, match=message):
             check_layout(cfg(*overrides), world)
     dense = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", ["trainer.ep=2", "trainer.stream=false"])
@@ -101,3 +104,40 @@ def test_the_load_balancing_loss_is_in_the_objective(moe_dir, layout):  # noqa: 
     assert all(float(on[n].norm()) > 0 for n in routers)
     for n in routers:
         torch.testing.assert_close(double[n], 2 * on[n], rtol=1e-5, atol=1e-12)
+
+
+def test_the_trainer_replays_the_engines_routing(moe_dir, layout):  # noqa: F811
+    """Samples from the reference engine with their routing (rollout.return_routing): the trainer with
+    trainer.routing_replay computes every response token's log-prob through the engine's experts.
+    In fp32 the two route alike, so replay changes nothing and both match the engine; replaying other
+    experts (each choice moved to the next expert) changes the log-probs, so the routing is used."""
+    from rollpacker.rollout import make_engine
+    from rollpacker.rollout.config import RolloutConfig
+    from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+    from rollpacker.sample import Prompt, Sample
+    from tests.unit.test_engine import _run
+
+    engine = make_engine(RolloutConfig(return_routing=True, seed=1), moe_dir)
+    prompts = [[(7 * i + j) % 250 for j in range(3 + 2 * i)] for i in range(4)]
+    done = _run(engine, [GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))
+                         for i, p in enumerate(prompts)])
+    samples = [Sample(Prompt(uid=i, input_ids=p, data_source="t"), 0, response_ids=list(done[f"r{i}"].output_ids),
+                      rollout_logprobs=list(done[f"r{i}"].logprobs), routed_experts=done[f"r{i}"].routed_experts,
+                      advantage=0.0) for i, p in enumerate(prompts)]
+    spec = parse_spec(moe_dir)
+    trainer = Trainer(TrainerConfig(params_dtype="fp32", routing_replay=True), moe_dir, layout)
+
+    def logprobs(shift: int | None) -> torch.Tensor:
+        mbs = plan_micro_batches(samples, budget=4096, aggregation="token_mean", layout="padded",
+                                 experts=(len(spec.moe_layers), spec.experts_per_token))
+        for mb in mbs:
+            mb.routing = None if shift is None else (mb.routing + shift) % spec.num_experts
+        (out,) = trainer.backend.forward_backward(mbs, trainer.stream._ref_fn, forward_only=True)
+        return out[mbs[0].loss_mask > 0]
+
+    engine_lp = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples])
+    own, replay, other = logprobs(None), logprobs(0), logprobs(1)
+    print(f"max |replay - own| {float((replay - own).abs().max()):.2e}, max |replay - engine| "
+          f"{float((replay - engine_lp).abs().max()):.2e}, max |other experts - own| {float((other - own).abs().max()):.2e}")
+    assert float((replay - own).abs().max()) < 1e-6 and float((replay - engine_lp).abs().max()) < LOGPROB_TOL
+    assert float((other - own).abs().max()) > 1e-2

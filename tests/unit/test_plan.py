@@ -1,22 +1,25 @@
-"""The memory plan (rollpacker/plan.py): its arithmetic, its refusals, the shipped configs.
+"""The memory plan (rollpacker/plan.py), its arithmetic (rollpacker/plan_sizes.py), its refusals, the shipped configs.
 
 The command line, in a process of its own: tests/integration/test_plan_procs.py."""
 from __future__ import annotations
 
+import math
+import weakref
+
 import pytest
 import torch
 
-from rollpacker import plan
-from rollpacker.config import load_config
+from rollpacker import plan, plan_sizes
+from rollpacker.config import check_layout, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.hf_spec import parse_spec
 from rollpacker.scheduler.config import PlannerConfig
-from testkit import REPO_ROOT
+from testkit import REPO_ROOT, make_random_qwen3_moe
 from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 DEVICE = int(80e9)
-PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen3-8b": 8}
+PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen3-8b": 8, "qwen3-30b-a3b": 16}
 
 # make_random_qwen2's shape: h=64, 4 heads / 2 KV heads of d=16, ffn 160, 2 layers, vocab 250.
 TINY = parse_spec(dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=160,
@@ -44,15 +47,16 @@ def _plan(name: str, *overrides: str) -> plan.MemoryPlan:
     ("qwen2.5-14b", 14.7e9, 13.1e9),  # Qwen2.5-14B: 14.7B, 13.1B
     ("qwen2.5-32b", 32.5e9, 31.0e9),  # Qwen2.5-32B: 32.5B, 31.0B
     ("qwen3-8b", 8.2e9, 6.95e9),  # Qwen3-8B: 8.2B, 6.95B
+    ("qwen3-30b-a3b", 30.5e9, 29.9e9),  # Qwen3-30B-A3B: 30.5B, 29.9B
 ])
 def test_shipped_shapes_have_the_published_parameter_counts(name, total, non_embedding):
     spec = parse_spec(plan.SHAPES_DIR / f"{name}.json")
-    n = plan.hf_param_count(spec)
+    n = plan_sizes.hf_param_count(spec)
     embeddings = 2 * spec.vocab_size * spec.hidden_size  # untied input and output embeddings
     assert n == pytest.approx(total, rel=0.01)
     assert n - embeddings == pytest.approx(non_embedding, rel=0.01)
     # the trainer's shards add up to the model (vocab padding aside)
-    shards = sum(plan.stage_params(spec, 2, 2, s) for s in range(2)) * 2
+    shards = sum(plan_sizes.stage_params(spec, 2, 2, s) for s in range(2)) * 2
     assert shards == pytest.approx(n, rel=1e-3)
 
 
@@ -62,30 +66,32 @@ def test_tiny_model_by_hand():
     assert layer == 43264
     # the trainer pads the vocab to 128 * tp = 256 rows; embedding + output layer + final norm
     params = 2 * layer + 2 * 256 * 64 + 64
-    assert plan.stage_params(TINY, 1, 1, 0) == params == 119360
-    assert plan.hf_param_count(TINY) == 2 * layer + 2 * 250 * 64 + 64
-    state = plan.trainer_state(TINY, tp=1, pp=1, stage=0, dp_cp=2, dtype="bf16")
+    assert plan_sizes.stage_params(TINY, 1, 1, 0) == params == 119360
+    assert plan_sizes.hf_param_count(TINY) == 2 * layer + 2 * 250 * 64 + 64
+    state = plan_sizes.trainer_state(TINY, tp=1, pp=1, stage=0, dp_cp=2, dtype="bf16")
     assert (state.params, state.grads, state.optimizer) == (2 * params, 4 * params, 12 * params // 2)
-    fp32 = plan.trainer_state(TINY, tp=1, pp=1, stage=0, dp_cp=2, dtype="fp32")
+    fp32 = plan_sizes.trainer_state(TINY, tp=1, pp=1, stage=0, dp_cp=2, dtype="fp32")
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * params, 4 * params, 8 * params // 2)
     # per token: norm inputs and outputs 8h replicated; fused QKV output kept by V 2(a+2g)d, RoPE'd Q and
     # K 2(a+g)d, attention output 2ad, fp32 log-sum-exp 4a, SwiGLU 10f (all split over TP)
     sharded = 2 * (4 + 4) * 16 + 2 * (4 + 2) * 16 + 2 * 64 + 4 * 4 + 10 * 160
-    assert plan.layer_activation_bytes(TINY, 1, 100) == 100 * (8 * 64 + sharded) == 270400
-    assert plan.layer_activation_bytes(TINY, 2, 100) == 100 * (8 * 64 + sharded // 2)
-    assert plan.layer_activation_bytes(TINY, 1, 100, te=False) == 270400 + 100 * 12 * 64  # torch RMSNorm's fp32
+    assert plan_sizes.layer_activation_bytes(TINY, 1, 100) == 100 * (8 * 64 + sharded) == 270400
+    assert plan_sizes.layer_activation_bytes(TINY, 2, 100) == 100 * (8 * 64 + sharded // 2)
+    assert plan_sizes.layer_activation_bytes(TINY, 1, 100, te=False) == 270400 + 100 * 12 * 64  # torch RMSNorm's fp32
     final_norm = 4 * 64 * 100
-    assert plan.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=False) == 2 * 270400 + final_norm
-    assert plan.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=True) == (
+    assert plan_sizes.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=False) == (
+        2 * 270400 + final_norm)
+    assert plan_sizes.activation_bytes(TINY, tp=1, pp=1, stage=0, tokens=100, recompute=True) == (
         2 * 2 * 64 * 100 + 270400 + final_norm)  # two layer inputs + one layer rebuilt
     # logits, then in backward their gradient and two fp32 chunks (100 tokens < one chunk)
-    assert plan.logits_bytes(TINY, 1, 100) == 100 * 256 * (2 + 2 + 2 * 4)
-    assert plan.trainer_peak_bytes(TINY, 1, 100) == state.params + state.grads + 12 * params + (
+    assert plan_sizes.logits_bytes(TINY, 1, 100) == 100 * 256 * (2 + 2 + 2 * 4)
+    assert plan_sizes.trainer_peak_bytes(TINY, 1, 100) == state.params + state.grads + 12 * params + (
         2 * 270400 + final_norm + 100 * 256 * 12)
     # engines: bf16, vocab split without padding; K and V of 2 layers x 2 heads x 16 per token
-    assert plan.engine_weight_bytes(TINY, 1) == 2 * plan.hf_param_count(TINY)
-    assert plan.kv_bytes_per_token(TINY, 1) == 2 * 2 * 2 * 16 * 2 and plan.kv_bytes_per_token(TINY, 2) == 128
-    assert plan.kv_bytes_per_token(TINY, 4) == 128  # 2 KV heads over 4 ranks: replicated, one per rank
+    assert plan_sizes.engine_weight_bytes(TINY, 1) == 2 * plan_sizes.hf_param_count(TINY)
+    assert plan_sizes.kv_bytes_per_token(TINY, 1) == 2 * 2 * 2 * 16 * 2
+    assert plan_sizes.kv_bytes_per_token(TINY, 2) == 128
+    assert plan_sizes.kv_bytes_per_token(TINY, 4) == 128  # 2 KV heads over 4 ranks: replicated, one per rank
 
 
 def test_tiny_qwen3_by_hand():
@@ -95,20 +101,20 @@ def test_tiny_qwen3_by_hand():
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                            rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False))
     layer = 128 * 64 + 2 * 64 * 64 + 64 * 128 + 3 * 64 * 160 + 2 * 64 + 2 * 32
-    assert plan.stage_params(spec, 1, 1, 0) == 2 * layer + 2 * 256 * 64 + 64
-    assert plan.hf_param_count(spec) == 2 * layer + 2 * 250 * 64 + 64
+    assert plan_sizes.stage_params(spec, 1, 1, 0) == 2 * layer + 2 * 256 * 64 + 64
+    assert plan_sizes.hf_param_count(spec) == 2 * layer + 2 * 250 * 64 + 64
     # the q/k norms add an fp32 1/rms per head, 4(a+g); torch's RMSNorm two fp32 copies of Q and K, 8(a+g)d
     sharded = 2 * (4 + 4) * 32 + 2 * (4 + 2) * 32 + 2 * 128 + 4 * 4 + 10 * 160 + 4 * (4 + 2)
-    assert plan.layer_activation_bytes(spec, 1, 100) == 100 * (8 * 64 + sharded)
-    assert plan.layer_activation_bytes(spec, 1, 100, te=False) == 100 * (20 * 64 + sharded + 8 * 6 * 32)
-    assert plan.kv_bytes_per_token(spec, 1) == 2 * 2 * 2 * 32 * 2
+    assert plan_sizes.layer_activation_bytes(spec, 1, 100) == 100 * (8 * 64 + sharded)
+    assert plan_sizes.layer_activation_bytes(spec, 1, 100, te=False) == 100 * (20 * 64 + sharded + 8 * 6 * 32)
+    assert plan_sizes.kv_bytes_per_token(spec, 1) == 2 * 2 * 2 * 32 * 2
 
 
 def test_pipeline_first_stage_holds_every_layer_in_flight():
     spec = parse_spec(plan.SHAPES_DIR / "qwen2.5-14b.json")
-    one = plan.layer_activation_bytes(spec, 2, 1000)
-    first = plan.activation_bytes(spec, tp=2, pp=2, stage=0, tokens=1000, recompute=False)
-    last = plan.activation_bytes(spec, tp=2, pp=2, stage=1, tokens=1000, recompute=False)
+    one = plan_sizes.layer_activation_bytes(spec, 2, 1000)
+    first = plan_sizes.activation_bytes(spec, tp=2, pp=2, stage=0, tokens=1000, recompute=False)
+    last = plan_sizes.activation_bytes(spec, tp=2, pp=2, stage=1, tokens=1000, recompute=False)
     assert first == 48 * one and last == 24 * one + 4 * spec.hidden_size * 1000
 
 
@@ -116,8 +122,8 @@ def test_padding_rule_is_megatrons():
     from megatron_ext.model import padded_vocab_size
     spec = parse_spec(plan.SHAPES_DIR / "qwen2.5-7b.json")
     for tp in (1, 2, 4, 8):
-        assert plan.padded_vocab(spec, tp) == padded_vocab_size(spec, tp)
-        assert plan.padded_vocab(TINY, tp) == padded_vocab_size(TINY, tp)
+        assert plan_sizes.padded_vocab(spec, tp) == padded_vocab_size(spec, tp)
+        assert plan_sizes.padded_vocab(TINY, tp) == padded_vocab_size(TINY, tp)
 
 
 def _fitting_tps(cfg, world: int) -> list[int]:
@@ -218,9 +224,9 @@ def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_ext import logprobs
-    assert logprobs.CHUNK_TOKENS == plan.LOGPROB_CHUNK_TOKENS
+    assert logprobs.CHUNK_TOKENS == plan_sizes.LOGPROB_CHUNK_TOKENS
     monkeypatch.setattr(logprobs, "CHUNK_TOKENS", 256)
-    monkeypatch.setattr(plan, "LOGPROB_CHUNK_TOKENS", 256)
+    monkeypatch.setattr(plan_sizes, "LOGPROB_CHUNK_TOKENS", 256)
     vocab = 1024
     logits = torch.randn(tokens, vocab, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab - 24, (tokens,))
@@ -234,7 +240,7 @@ def test_log_prob_memory_matches_logprobs_py(layout, monkeypatch, tokens):
         live += nbytes
         peak = max(peak, live)
     spec = SimpleNamespace(vocab_size=vocab)  # padded_vocab reads only this
-    planned = plan.logits_bytes(spec, 1, tokens) - tokens * vocab * plan.BF16  # the logits existed before
+    planned = plan_sizes.logits_bytes(spec, 1, tokens) - tokens * vocab * plan_sizes.BF16  # the logits existed before
     print(f"log-prob peak {peak} bytes, planned {planned}")
     assert peak == pytest.approx(planned, rel=0.02)
 
@@ -263,3 +269,195 @@ def test_recompute_reaches_megatron_and_keeps_the_gradients(layout, tmp_path):
         saved.append(sum(storages.values()))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert saved[1] < saved[0] / 2
+
+
+# ---- mixture of experts -------------------------------------------------------------------------
+
+MOE = parse_spec(plan.SHAPES_DIR / "qwen3-30b-a3b.json")
+# testkit's random Qwen3-MoE: Qwen3's attention (4 heads / 2 KV heads of d=32, hidden 64), 8 experts of
+# width 32, top 2, layers 0 and 2 sparse, layer 1 dense (ffn 160), vocab 250.
+TINY_MOE = parse_spec(dict(model_type="qwen3_moe", vocab_size=250, hidden_size=64, intermediate_size=160,
+                           moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                           norm_topk_prob=True, mlp_only_layers=[1], rms_norm_eps=1e-6, rope_theta=1e4,
+                           tie_word_embeddings=False))
+
+
+def test_activated_params_are_the_model_cards():
+    # Qwen3-30B-A3B model card: 30.5B in total, 3.3B activated; 48 layers x 128 experts x 3 x 2048 x 768
+    assert plan_sizes.expert_param_count(MOE) == 48 * 128 * 3 * 2048 * 768
+    assert plan_sizes.activated_params(MOE) == pytest.approx(3.3e9, rel=0.02)
+    print(f"Qwen3-30B-A3B: {plan_sizes.hf_param_count(MOE) / 1e9:.2f}e9 params, "
+          f"{plan_sizes.activated_params(MOE) / 1e9:.2f}e9 activated")
+    dense = parse_spec(plan.SHAPES_DIR / "qwen3-8b.json")
+    assert plan_sizes.expert_param_count(dense) == 0
+    assert plan_sizes.activated_params(dense) == plan_sizes.hf_param_count(dense)
+
+
+def test_tiny_moe_by_hand():
+    attention = 128 * 64 + 2 * 64 * 64 + 64 * 128 + 2 * 64 + 2 * 32  # q, k, v, o, two norms, q/k norms
+    router, expert, dense_mlp = 8 * 64, 3 * 64 * 32, 3 * 64 * 160
+    layers = 3 * attention + 2 * router + dense_mlp + 2 * 8 * expert
+    assert plan_sizes.hf_param_count(TINY_MOE) == layers + 2 * 250 * 64 + 64
+    # the trainer: experts split over ep by whole experts (and over tp); the routers replicated
+    assert plan_sizes.stage_param_split(TINY_MOE, 1, 1, 0) == (
+        3 * attention + 2 * router + dense_mlp + 2 * 256 * 64 + 64, 2 * 8 * expert)
+    assert plan_sizes.stage_param_split(TINY_MOE, 1, 1, 0, ep=4)[1] == 2 * 2 * expert
+    assert (plan_sizes.stage_param_split(TINY_MOE, 1, 1, 0, ep=4)[0]
+            == plan_sizes.stage_param_split(TINY_MOE, 1, 1, 0)[0])
+    assert plan_sizes.stage_param_split(TINY_MOE, 2, 1, 0, ep=4)[1] == 2 * 2 * expert // 2
+    # the engine holds every expert; at TP 1 that is the checkpoint
+    assert plan_sizes.engine_weight_bytes(TINY_MOE, 1) == 2 * plan_sizes.hf_param_count(TINY_MOE)
+    # a sparse layer: no dense SwiGLU; per token the router's 4E + 12k and the dispatcher's 6E (+ 4E: the
+    # alltoall one keeps the router's probabilities), per routed token (k = 2 per token) its hidden state 2h,
+    # index + probability 12 and the expert's SwiGLU 12i
+    t, e, k, i, h = 100, 8, 2, 32, 64
+    dense = plan_sizes.layer_activation_bytes(TINY_MOE, 1, t, layer=1)
+    assert dense == plan_sizes.layer_activation_bytes(parse_spec(dict(
+        model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4)), 1, t)
+    allgather = t * (4 * e + 12 * k) + t * 6 * e + t * k * (2 * h + 12 + 12 * i)
+    assert plan_sizes.moe_activation_bytes(TINY_MOE, 1, t, alltoall=False) == allgather
+    assert plan_sizes.moe_activation_bytes(TINY_MOE, 1, t) == allgather + t * 4 * e
+    assert plan_sizes.layer_activation_bytes(TINY_MOE, 1, t, layer=0) == dense - t * 10 * 160 + allgather + t * 4 * e
+    # over TP the experts' rows stay whole (each TP slice of an expert needs them), their SwiGLU splits
+    assert plan_sizes.moe_activation_bytes(TINY_MOE, 2, t) == allgather + t * 4 * e - t * k * 12 * i // 2
+
+
+def test_experts_halve_when_ep_doubles_and_dense_models_are_unchanged():
+    """Per GPU, doubling ep halves the experts' params and grads; their optimizer shard, 12 bytes per
+    expert parameter over the world, stays; so do the activations (each GPU's experts get T * k rows)."""
+    world = 16
+    states = {ep: plan_sizes.trainer_state(MOE, tp=1, pp=1, stage=0, dp_cp=world, dtype="bf16", ep=ep)
+              for ep in (1, 2, 4, 8, 16)}
+    expert_total = plan_sizes.expert_param_count(MOE)
+    for ep, state in states.items():
+        dense, expert = plan_sizes.stage_param_split(MOE, 1, 1, 0, ep)
+        assert expert == expert_total // ep
+        assert state.experts == 6 * expert + 12 * math.ceil(expert / (world // ep))
+        assert 12 * math.ceil(expert / (world // ep)) == pytest.approx(12 * expert_total / world)
+        print(f"ep {ep}: experts {plan_sizes.gb(state.experts)} GB of trainer state {plan_sizes.gb(state.total)} GB")
+    for ep in (1, 2, 4, 8):
+        params_grads = lambda s: s.params + s.grads  # noqa: E731
+        assert params_grads(states[ep]) - params_grads(states[2 * ep]) == 6 * expert_total // (2 * ep)
+        assert states[ep].experts - states[2 * ep].experts == 6 * expert_total // (2 * ep)
+    assert len({plan_sizes.stage_peak(MOE, tp=1, pp=1, stage=0, dp_cp=world, dtype="bf16", tokens=8192, recompute=False,
+                                ep=ep).activations for ep in states}) == 1
+    # a dense model: ep is 1, and the plans are those printed in docs/gpu.md before experts existed
+    for name, totals in (("qwen2.5-7b", ["58.88", "49.94", "43.41"]), ("qwen2.5-14b", ["59.60", "65.51", "38.62"]),
+                         ("qwen2.5-32b", ["58.16", "78.51", "66.08"])):
+        assert [plan_sizes.gb(_plan(name).total(phase)) for phase in plan.PHASES] == totals, name
+    assert not any(line.startswith("experts:") for line in _plan("qwen2.5-7b").header)
+
+
+def test_moe_layer_activations_match_megatron(layout, tmp_path):
+    """The plan's sparse layer against what megatron-core 0.16.1's MoE layer keeps for backward on CPU
+    (TP = EP = 1, every expert local, the allgather dispatcher megatron_ext uses there): the model the
+    trainer builds, bf16, Megatron's local layers."""
+    from megatron_ext.model import build_model
+    ckpt = make_random_qwen3_moe(tmp_path / "moe")
+    spec = parse_spec(ckpt)
+    assert spec.moe_layers == (0, 2)
+    model = build_model(ckpt, params_dtype=torch.bfloat16, pg_collection=layout.pg_collection)
+    tokens = 256
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    running, saved = [None], {i: [] for i in range(spec.num_layers)}
+    for i, layer in enumerate(model.decoder.layers):
+        layer.register_forward_pre_hook(lambda module, args, i=i: running.__setitem__(0, i))
+        layer.register_forward_hook(lambda module, args, out: running.__setitem__(0, None))
+
+    def keep(t):
+        if running[0] is not None:
+            saved[running[0]].append(weakref.ref(t))
+        return t
+    ids, pos = torch.randint(0, 250, (1, tokens)), torch.arange(tokens).expand(1, tokens)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = model(ids, pos, attention_mask=None)
+    measured = {}  # what is still kept with the output alive (a node dropped at once frees its tensors)
+    for i, layer in enumerate(model.decoder.layers):
+        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in (ref() for ref in saved[i]) if t is not None}
+        local_map = getattr(getattr(layer.mlp, "token_dispatcher", None), "local_map", None)  # kept as an attribute
+        if local_map is not None:
+            alive[local_map.untyped_storage().data_ptr()] = local_map.untyped_storage().nbytes()
+        measured[i] = sum(n for ptr, n in alive.items() if ptr not in params)
+    del out
+    planned = {i: plan_sizes.layer_activation_bytes(spec, 1, tokens, te=False, layer=i, alltoall=False)
+               for i in range(spec.num_layers)}
+    for i in range(spec.num_layers):
+        print(f"layer {i} ({'sparse' if i in spec.moe_layers else 'dense'}): measured {measured[i]} bytes, "
+              f"planned {planned[i]} ({measured[i] / planned[i]:.4f}x)")
+    # both kinds of layer keep what the plan leaves out alike (RoPE's cos/sin tables, the norms' fp32
+    # 1/rms: large beside a 64-wide model); the sparse layers' MoE part is the plan's to within a few
+    # bytes (the aux loss's scalar and the per-expert token counts)
+    for i in spec.moe_layers:
+        assert abs((measured[i] - planned[i]) - (measured[1] - planned[1])) <= 128
+        assert measured[i] == pytest.approx(planned[i], rel=0.06)
+
+
+def test_expert_parallel_sizes_are_checked_naming_trainer_ep():
+    cfg = _shipped("qwen3-30b-a3b")  # ep 8 on 16 GPUs
+    plan.check_expert_parallel(cfg, MOE, 16)
+    with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: trainer.ep=8 does not divide world size / "
+                                          r"\(trainer.tp\*trainer.pp\) = 8/\(1\*2\) = 4.*choose trainer.ep "
+                                          r"among \[1, 2, 4\]"):
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2"), MOE, 8)
+    with pytest.raises(ConfigError, match=r"trainer.ep=8 does not divide .* choose trainer.ep dividing 4"):
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2"), None, 8)  # model not read yet
+    with pytest.raises(ConfigError, match=r"trainer.ep=3 does not divide the model's num_experts=128 .*"
+                                          r"among \[1, 2, 4\]"):
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2", "trainer.ep=3"), MOE, 24)
+    with pytest.raises(ConfigError, match=r"trainer.ep=2 needs a mixture-of-experts model.*set trainer.ep=1"):
+        plan.check_expert_parallel(_shipped("qwen3-8b", "trainer.ep=2"), parse_spec(plan.SHAPES_DIR / "qwen3-8b.json"),
+                                   8)
+    with pytest.raises(ConfigError, match="trainer.ep=8 does not divide"):  # the plan itself refuses it too
+        plan.plan_memory(_shipped("qwen3-30b-a3b"), MOE, world_size=4, device_bytes=DEVICE)
+
+
+def test_moe_layout_that_cannot_fit_is_refused_with_the_keys_and_a_layout_that_does(no_cuda):
+    """Qwen3-30B-A3B without expert parallelism (tp = ep = 1) on 16 x 80 GB: 206 GB of trainer state per GPU."""
+    p = _plan("qwen3-30b-a3b", "trainer.ep=1", "trainer.stream=true")
+    assert not p.fits
+    print("\n".join(p.problems))
+    train = next(m for m in p.problems if m.startswith("train phase"))
+    assert train.startswith("train phase needs 226.83 GB > 80.00 GB: activations 6.22 GB + log-prob buffers 13.07 GB "
+                            "+ trainer state 206.09 GB; fix: trainer.ep=8 with trainer.stream=false (trainer state "
+                            "53.89 GB)")
+    assert train.endswith("or the layout trainer.tp=1 trainer.pp=1 trainer.ep=8 with trainer.stream=false, which fits")
+    assert any("in the sync phase" in m and "a higher trainer.ep or trainer.pp" in m for m in p.problems)
+    with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: the memory plan does not fit 80.00 GB per GPU: .*"
+                                          r"train phase needs .*trainer.ep=8.*trainer.tp=1 trainer.pp=1 trainer.ep=8"):
+        plan.check_memory(_shipped("qwen3-30b-a3b", "trainer.ep=1"), 16)
+    # one node: no layout fits (the trainer runs MoE at tp 1: its log-prob buffers are whole), and the plan
+    # says so; four GPUs cannot hold 18 bytes per parameter of 30.5e9 in any layout
+    (one,) = [m for m in _plan_on("qwen3-30b-a3b", 8).problems if m.startswith("train phase")]
+    assert one.startswith("train phase needs 97.52 GB") and one.endswith("no trainer.tp/pp/ep layout fits with the "
+                                                                         "rest as it is")
+    (four,) = [m for m in _plan_on("qwen3-30b-a3b", 4, "trainer.ep=4").problems if m.startswith("train phase")]
+    assert four.endswith("are 137.39 GB per GPU over 4 GPUs at best: more GPUs")
+
+
+def _plan_on(name: str, world: int, *overrides: str) -> plan.MemoryPlan:
+    cfg = _shipped(name, *overrides)
+    return plan.plan_memory(cfg, plan.resolve_spec(cfg)[0], world_size=world, device_bytes=DEVICE)
+
+
+def test_qwen3_30b_a3b_fits_two_nodes(no_cuda, tmp_path):
+    p = _plan("qwen3-30b-a3b")
+    print(p.render())
+    assert p.fits
+    cfg = _shipped("qwen3-30b-a3b")
+    model = tmp_path / "Qwen3-30b-a3b"  # the layout checks that read the model: heads, TP 1 for MoE, sparse layers
+    model.mkdir()
+    (model / "config.json").write_text((plan.SHAPES_DIR / "qwen3-30b-a3b.json").read_text())
+    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}"), 16, require_files=False)
+    assert (cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.ep, cfg.trainer.stream, cfg.rollout.tp) == (1, 1, 8, False, 4)
+    assert [plan_sizes.gb(p.total(phase)) for phase in plan.PHASES] == ["57.44", "72.48", "74.62"]
+    assert [e.tp for e in p.engines] == [4]
+    assert p.header[-1].endswith("trainer ep 8: 16 experts per GPU, each split over tp 1, expert data parallel 2, "
+                                 "43.49 GB of the trainer state")
+    # the least split layout that fits 16 GPUs; none fits 8, whatever engines are built
+    assert plan.fitting_layouts(cfg, MOE, world_size=16, device_bytes=DEVICE)[0] == (1, 1, 8, None)
+    one_node = _shipped("qwen3-30b-a3b", "scheduler.planner.min_tp=1", "rollout.tp=1", "scheduler.planner.short_tp=1",
+                        "scheduler.planner.long_tp=1")
+    assert plan.fitting_layouts(one_node, MOE, world_size=8, device_bytes=DEVICE) == []
