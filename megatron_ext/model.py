@@ -88,12 +88,13 @@ def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, cp: int = 1
         # no CUDA graphs are captured; megatron-core's default "full" is its own deprecated spelling of []
         cuda_graph_scope=[],
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
-        **(_moe_kwargs(spec, ep, aux_loss_coef, routing_replay) if spec.is_moe else {}),
+        **(_moe_kwargs(spec, tp, ep, aux_loss_coef, routing_replay) if spec.is_moe else {}),
         **cpu_compat.config_kwargs(),
     )
 
 
-def _moe_kwargs(spec: ModelSpec, ep: int, aux_loss_coef: float | None, routing_replay: bool) -> dict[str, Any]:
+def _moe_kwargs(spec: ModelSpec, tp: int, ep: int, aux_loss_coef: float | None,
+                routing_replay: bool) -> dict[str, Any]:
     """The MoE settings of Qwen3-MoE (module docstring)."""
     return dict(
         num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
@@ -104,6 +105,8 @@ def _moe_kwargs(spec: ModelSpec, ep: int, aux_loss_coef: float | None, routing_r
         moe_aux_loss_coeff=spec.router_aux_loss_coef if aux_loss_coef is None else aux_loss_coef,
         # alltoall exchanges any token counts between EP ranks but creates CUDA streams
         moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        # megatron-core trains MoE layers with TP only under sequence parallelism (moe/moe_layer.py:379)
+        sequence_parallel=tp > 1,
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep, moe_enable_routing_replay=routing_replay)
 
@@ -127,7 +130,27 @@ def _layer_spec(config: TransformerConfig, pp_rank: int) -> ModuleSpec | Transfo
     if not te:
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+        if config.sequence_parallel:
+            for layer in layers:
+                sub = layer.submodules
+                sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+                sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+                sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+            block.layer_norm = SequenceParallelRMSNorm
     return block
+
+
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm for the local layers under sequence parallelism. megatron-core's
+    ``WrappedTorchNorm`` refuses it (transformer/torch_norm.py:32) because torch's norm does not
+    mark its weight: each TP rank's gradient covers only its own positions (its heads, for q/k
+    norms) and must be summed over TP, which ``finalize_model_grads`` (and the CPU backend) do for
+    weights marked ``sequence_parallel``."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = True
+        return norm
 
 
 def _moe_without_te() -> None:

@@ -38,10 +38,15 @@ def _replays(model: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
 @contextlib.contextmanager
 def replayed(model: torch.nn.Module, routing: torch.Tensor | None) -> Iterator[None]:
     """Within: the routers of ``model`` replay ``routing`` ([batch, sequence, sparse layers, k], the
-    micro-batch's token grid) in forward and in a recomputed forward; None: they route themselves."""
+    micro-batch's token grid) in forward; None: they route themselves."""
     replays = _replays(model) if routing is not None else []
-    # Megatron's hidden states are sequence-first: the router sees tokens in (position, row) order
+    # Megatron's hidden states are sequence-first: the router sees tokens in (position, row) order,
+    # under sequence parallelism this TP rank's share of the positions
     by_token = routing.transpose(0, 1) if routing is not None else None
+    mcore = unwrap(model)
+    if by_token is not None and mcore.config.sequence_parallel:
+        tp = mcore.pg_collection.tp
+        by_token = by_token.chunk(tp.size())[tp.rank()]
     for index, replay in replays:
         replay.clear_indices()
         replay.set_target_indices(by_token[:, :, index].reshape(-1, by_token.shape[-1]).contiguous())

@@ -132,12 +132,6 @@ def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None
                    if t.cp > 1 else None)
         if problem:
             raise ConfigError(f"{cfg.source}: trainer.routing_replay=true: {problem} (model.path {hf})")
-    if spec.is_moe and cfg.trainer.tp > 1:
-        # megatron-core's MoELayer refuses to train with TP > 1 unless sequence parallelism is on
-        # (megatron-core 0.16.1 moe/moe_layer.py:379), which the trainer does not run
-        raise ConfigError(f"{cfg.source}: trainer.tp={cfg.trainer.tp} with the mixture-of-experts model at {hf}: the "
-                          "trainer splits MoE models by expert parallelism only; set trainer.tp=1 and use trainer.ep "
-                          "(and more data-parallel ranks) to spread the experts")
 
 
 def check_layout(cfg: Config, world_size: int, *, require_files: bool = True) -> None:

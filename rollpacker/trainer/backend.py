@@ -210,14 +210,19 @@ class Backend(abc.ABC):
         accumulating gradients locally. Returns the detached results on the last
         pipeline stage, an empty list elsewhere."""
 
-    def lockstep(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-        """``micro_batches`` as every rank of this rank's expert-parallel group runs them: each sparse
-        layer's forward and backward is a collective over that group, so they all run the same
-        number of micro-batches (padding ones added) of one shape where the token dispatcher needs
-        it (the padded layout's allgather). The same list on a rank without EP."""
+    def conform(self, micro_batches: list[MicroBatch]) -> list[MicroBatch]:
+        """``micro_batches`` as the model runs them. Sequence parallelism splits a padded row's
+        positions over TP: widths become a multiple of it. Every rank of an expert-parallel group
+        runs each sparse layer's forward and backward together: they all run the same number of
+        micro-batches (padding ones added), of one shape where the token dispatcher needs it (the
+        padded layout's allgather)."""
+        padded = self.micro_batch_layout == "padded"
+        if padded and unwrap(self.model).config.sequence_parallel:
+            tp = self.layout.tp
+            micro_batches = [pad_micro_batch(mb, mb.input_ids.shape[0], -(-mb.input_ids.shape[1] // tp) * tp)
+                             for mb in micro_batches]
         if self.layout.ep == 1:
             return micro_batches
-        padded = self.micro_batch_layout == "padded"
         shapes = [tuple(mb.input_ids.shape) if padded else (1, mb.input_ids.shape[1]) for mb in micro_batches]
         agreed = torch.tensor([len(shapes), max((r for r, _ in shapes), default=1), max((w for _, w in shapes), default=1)],
                               dtype=torch.int64, device=self.layout.device)

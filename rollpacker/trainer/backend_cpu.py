@@ -54,9 +54,11 @@ class CpuBackend(Backend):
         # experts split over expert parallelism (megatron marks them allreduce=False): each EP rank
         # holds different ones, whose replicas are the expert-data-parallel group
         self._expert = [not getattr(p, "allreduce", True) for p in self._params]
-        # Qwen3's q/k norms are replicated over TP but each rank's gradient covers only its own heads:
+        # Qwen3's q/k norms are replicated over TP but each rank's gradient covers only its own heads,
+        # and under sequence parallelism every replicated parameter's covers only its rank's positions:
         # summed over TP, as megatron-core's finalize_model_grads does on the GPU backend.
-        self._tp_summed = [p for n, p in named if "q_layernorm" in n or "k_layernorm" in n]
+        self._tp_summed = [p for n, p in named if "q_layernorm" in n or "k_layernorm" in n
+                           or getattr(p, "sequence_parallel", False)]
 
     def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *,
                          forward_only: bool = False) -> list[Any]:

@@ -109,8 +109,10 @@ class GpuBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, layout: ParallelLayout, cfg: TrainerConfig):
         super().__init__(model, layout, cfg)
-        # Context parallelism splits every sequence into 2*cp chunks.
-        self.pad_multiple = 2 * layout.cp if layout.cp > 1 else 1
+        # context parallelism splits each sequence in 2 * cp chunks; sequence parallelism (MoE with TP)
+        # splits the packed tokens over TP
+        sequence_parallel = model.config.sequence_parallel
+        self.pad_multiple = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if sequence_parallel else 1)
         bf16 = cfg.params_dtype == "bf16"
         config = model.config
         config.calculate_per_token_loss = True

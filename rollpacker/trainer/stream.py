@@ -188,12 +188,12 @@ class StreamTrainer:
 
     def _train(self, samples: list[Sample], num_groups: int) -> int:
         """Forward/backward on ``samples``; returns their compute tokens. Under expert parallelism
-        every rank of the EP group runs it together, with or without samples (``Backend.lockstep``)."""
+        every rank of the EP group runs it together, with or without samples (``Backend.conform``)."""
         mbs = plan_micro_batches(samples, budget=self.cfg.micro_batch_tokens,
                                  aggregation=self.cfg.loss_aggregation, layout=self.backend.micro_batch_layout,
                                  pad_multiple=self.backend.pad_multiple, row_width=self.row_width,
                                  experts=self._experts) if samples else []
-        mbs = self.backend.lockstep(mbs)
+        mbs = self.backend.conform(mbs)
         if mbs:
             if self.cfg.kl_coef > 0:
                 self._attach_reference_logprobs(mbs)

@@ -336,17 +336,9 @@ def test_a_run_is_reproducible_from_its_config_and_seed_whatever_the_timing(tmp_
     assert a.keys() == b.keys() and not differ, f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
 
 
-def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_exactly(tmp_path):
-    """The program on a Qwen3-MoE checkpoint (8 experts, top-2, a dense middle layer), the shipped
-    tokenizer, tail batching with the planner (the long round regroups to a TP-2 engine) and the
-    trainer's experts split over EP=2: every sync lands exactly, the engine and trainer agree on
-    log-probs, the HF export loads as Qwen3MoeForCausalLM, and a run stopped after step 2 and
-    resumed ends with the same ledger, metrics and weights as one that ran through. The random
-    policy earns no reward: its gradients are the router's load-balancing loss alone."""
+def _moe_policy(tmp_path: Path) -> Path:
+    """A random Qwen3-MoE (8 experts, top-2, a dense middle layer) with the shipped tokenizer."""
     import shutil
-
-    import torch
-    from transformers import Qwen3MoeForCausalLM
 
     from testkit import make_random_qwen3_moe
 
@@ -354,6 +346,34 @@ def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_ex
         (POLICY / "config.json").read_text())["vocab_size"])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(POLICY / name, policy / name)
+    return policy
+
+
+def test_a_qwen3_moe_policy_trains_over_tp_with_routing_replay(tmp_path):
+    """trainer.tp=2 on a MoE model (sequence parallelism: each TP rank routes its share of the
+    positions) with routing replay: every response token's trainer log-prob goes through the
+    engine's experts, so the fp32 gap stays at rounding (replaying another rank's share of the
+    routing, or other experts, moves log-probs by ~1e-2: tests/unit/test_moe.py)."""
+    run_dir = tmp_path / "runs" / "tp2"
+    _train(run_dir, f"model.path={_moe_policy(tmp_path)}", "run.steps=2", "run.save_every=0", "trainer.tp=2",
+           "rollout.return_routing=true", "trainer.routing_replay=true", "rollout.max_response_length=64")
+    rows = _metrics(run_dir)
+    print([(r["step"], r["train/logprob_mismatch_max"], r["train/grad_norm"]) for r in rows])
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["train/logprob_mismatch_max"] < 1e-5 and r["train/grad_norm"] > 0 for r in rows)
+
+
+def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_exactly(tmp_path):
+    """The program on a Qwen3-MoE checkpoint (8 experts, top-2, a dense middle layer), the shipped
+    tokenizer, tail batching with the planner (the long round regroups to a TP-2 engine) and the
+    trainer's experts split over EP=2: every sync lands exactly, the engine and trainer agree on
+    log-probs, the HF export loads as Qwen3MoeForCausalLM, and a run stopped after step 2 and
+    resumed ends with the same ledger, metrics and weights as one that ran through. The random
+    policy earns no reward: its gradients are the router's load-balancing loss alone."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    policy = _moe_policy(tmp_path)
     common = [f"model.path={policy}", "run.save_every=2", "run.keep_checkpoints=10", "run.verify_sync=true",
               "scheduler.planner.profile=[]", "rollout.max_response_length=64", "trainer.ep=2", "trainer.stream=false"]
     _train(tmp_path / "through", "run.steps=5", *common)

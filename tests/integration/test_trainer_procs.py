@@ -13,13 +13,15 @@ from tests.dist.trainer_tp import EP_STEP_CONFIG, STEP_CONFIG, two_steps
 from tests.unit.test_trainer import layout, model_dir  # noqa: F401 - the same fixtures
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_tensor_parallel_steps_match_single_rank(layout, model_dir, tmp_path, family):
     """Vocab-parallel loss, TP-duplicate-aware grad norm, KL swap: TP=2 reproduces TP=1.
     Qwen3: its replicated q/k norms see only their rank's heads, so their gradients must be summed
     over TP (the grad norm and the second step would differ otherwise)."""
     if family == "qwen3":
         model_dir = make_random_qwen3(tmp_path / "qwen3", seed=11)
+    if family == "qwen3_moe":  # sequence parallelism (megatron-core trains MoE with TP only so)
+        model_dir = make_random_qwen3_moe(tmp_path / "qwen3_moe", seed=11)
     out = tmp_path / "tp2.json"
     run_torchrun(2, ["tests/dist/trainer_tp.py", str(model_dir), str(out)], timeout=300)
     assert_same_steps(two_steps(Trainer(TrainerConfig(**STEP_CONFIG), model_dir, layout)), json.loads(out.read_text()))
