@@ -44,8 +44,8 @@ from rollpacker.config import Config, load_config
 from rollpacker.configlib import ConfigError
 from rollpacker.hf_spec import ModelSpec, parse_spec
 from rollpacker.plan_sizes import (BF16, FP32, GB, StagePeak, activated_params, engine_weight_bytes,
-                                   expert_param_count, gb, hf_param_count, kv_bytes_per_token, stage_peak,
-                                   trainer_state)
+                                   expert_param_count, gb, hf_param_count, kv_bytes_per_token,
+                                   sequence_parallel, stage_peak, trainer_state)
 
 DEFAULT_DEVICE_GB = 80.0
 # One process's CUDA context with cuBLAS loaded: 0.72 GB on an H100 (torch 2.11, CUDA 13), read
@@ -184,7 +184,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
             problem = (f"rollout engine TP {tp} in the sync phase: trainer state {gb(sync_state)} GB + engine "
                        f"weights {gb(weights)} GB + weight push {gb(push)} GB + CUDA contexts {gb(contexts)} GB "
                        f"= {gb(sync_total)} GB > {gb(device_bytes)} GB")
-            higher = "trainer.ep or trainer.pp" if spec.is_moe else "trainer.tp"  # MoE trains at tp 1
+            higher = "trainer.tp, trainer.ep or trainer.pp" if spec.is_moe else "trainer.tp"
             fix = f"less resident trainer state (a higher {higher})"
         engines.append(EnginePlan(tp, weights, per_token, static, longest, sync_total, problem, fix))
 
@@ -220,7 +220,11 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
                         + ("; fix: " + _train_fixes(cfg, spec, worst_stage, longest, world_size=world_size,
                                                     budget=budget) if fixes else ""))
     if spec.is_moe and fixes and trainer_bound:  # a MoE trainer's state is mostly experts: a layout that fits
-        problems[trainer_bound[0]] += _layout_fix(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
+        # beside the trainer in sync at the least: the lightest engine set, alone, and the weight push
+        lightest = min(engines, key=lambda e: e.weights)
+        beside = (lightest.tp, lightest.weights, push, (2 if ro.backend == "sglang" else 1) * CUDA_CONTEXT_BYTES)
+        problems[trainer_bound[0]] += _layout_fix(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te,
+                                                  beside=beside)
     if _total(items, "rollout") > device_bytes:
         problems.append(f"rollout phase needs {gb(_total(items, 'rollout'))} GB; lower rollout.mem_fraction_static")
     header = (
@@ -238,19 +242,31 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
            f"{spec.moe_intermediate_size}), top {spec.experts_per_token}: {expert_param_count(spec) / 1e9:.2f}e9 "
            f"expert params, {activated_params(spec) / 1e9:.2f}e9 activated per token; trainer ep {t.ep}: "
            f"{spec.num_experts // t.ep} experts per GPU, each split over tp {t.tp}, expert data parallel "
-           f"{dp * t.cp // t.ep}, {gb(train.state.experts)} GB of the trainer state",) if spec.is_moe else ()),
+           f"{dp * t.cp // t.ep}, {gb(train.state.experts)} GB of the trainer state"
+           + ("; sequence parallel over tp" if sequence_parallel(spec, t.tp) else ""),) if spec.is_moe else ()),
     )
     return MemoryPlan(header, device_bytes, items, tuple(engines), tuple(problems))
 
 
-def _layout_fix(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool) -> str:
-    """Name the first trainer layout that fits (:func:`fitting_layouts`), or say that none does."""
+def _layout_fix(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool,
+                beside: tuple[int, int, int, int]) -> str:
+    """Name the first trainer layout that fits (:func:`fitting_layouts`), or say that none does, and
+    why none can where the bytes say so: the trainer state's floor alone, or that floor in the sync
+    phase beside ``beside`` (the lightest engine set's TP and weights, the weight push, the CUDA
+    contexts of the trainer and that one set)."""
     layouts = fitting_layouts(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
     if not layouts:
         floor = (BF16 + FP32 + 3 * FP32) * hf_param_count(spec) / world_size  # every weight split world_size ways
-        return ("; no trainer.tp/pp/ep layout fits with the rest as it is" + (
-            f", nor can one: bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, "
-            f"are {gb(floor)} GB per GPU over {world_size} GPUs at best: more GPUs" if floor > device_bytes else ""))
+        state = (f"bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, are "
+                 f"{gb(floor)} GB per GPU over {world_size} GPUs at best")
+        tp, weights, push, contexts = beside
+        sync = floor + weights + push + contexts
+        why = (f", nor can one: {state}: more GPUs" if floor > device_bytes else
+               f", nor can one: in the sync phase the trainer state ({state}) sits beside the engine weights "
+               f"(TP {tp}, the lightest built: {gb(weights)} GB), the weight push ({gb(push)} GB) and the CUDA "
+               f"contexts ({gb(contexts)} GB): {gb(sync)} GB > {gb(device_bytes)} GB: more GPUs"
+               if sync > device_bytes else "")
+        return "; no trainer.tp/pp/ep layout fits with the rest as it is" + why
     tp, pp, ep, min_tp = layouts[0]
     also = [*(["trainer.stream=false"] if ep > 1 and cfg.trainer.stream else []),
             *([f"scheduler.planner.min_tp={min_tp} (rollout.tp, short_tp and long_tp >= it)"] if min_tp else [])]
@@ -301,7 +317,8 @@ def _train_fixes(cfg: Config, spec: ModelSpec, worst_stage: Callable[..., StageP
         else:
             fixes.append(f"trainer.micro_batch_tokens alone does not suffice: the longest sequence "
                          f"({longest} tokens) always gets a micro-batch of its own")
-    fixes.append("a higher trainer.cp (divides activations and log-prob buffers; MoE models train at trainer.tp=1)"
+    fixes.append("a higher trainer.tp (sequence parallel for MoE: divides the log-prob buffers, the experts' params "
+                 "and all activations but the experts' routed rows) or trainer.cp"
                  if spec.is_moe else "a higher trainer.tp or trainer.cp (both divide activations and log-prob buffers)")
     return "; or ".join(fixes)
 
@@ -347,13 +364,14 @@ def fitting_layouts(cfg: Config, spec: ModelSpec, *, world_size: int, device_byt
     """Every trainer (tp, pp, ep) whose memory plan fits, trainer.cp and the rest of ``cfg`` as they are
     or, where the sync phase fits only beside larger engines, with ``scheduler.planner.min_tp`` raised
     to the fourth value (None: as it is). Only layouts check_layout would accept (heads, KV heads and
-    FFN widths split by tp, layers by pp, the batch by dp; a mixture-of-experts model at tp 1, with
-    trainer.stream=false where ep > 1); the least split first: no pipeline, then the smallest tp, then
-    the smallest ep."""
+    FFN widths, a mixture-of-experts model's expert width too, split by tp; layers by pp; the batch by
+    dp; ep dividing the experts and world / (tp * pp), with trainer.stream=false where ep > 1); a
+    mixture-of-experts model at tp > 1 is planned under sequence parallelism, as the trainer runs it;
+    the least split first: no pipeline, then the smallest tp, then the smallest ep."""
     t, planner, batch = cfg.trainer, cfg.scheduler.planner, cfg.scheduler.p0 * cfg.scheduler.r0
     found: list[tuple[int, int, int, int | None]] = []
     for pp in (n for n in range(1, spec.num_layers + 1) if spec.num_layers % n == 0):
-        for tp in range(1, 2 if spec.is_moe else world_size + 1):  # check_layout: MoE at trainer.tp=1
+        for tp in range(1, world_size + 1):
             if world_size % (tp * pp * t.cp) or batch % (world_size // (tp * pp * t.cp)):
                 continue
             try:

@@ -7,7 +7,8 @@ Units: bytes; GB = 1e9 bytes.
 Mixture-of-experts models (Qwen3-MoE) are sized with the trainer's expert
 parallelism (``trainer.ep``): experts split over ep x tp, their optimizer state over
 the expert-data-parallel ranks (:func:`trainer_state`), top-k routed activations
-(:func:`moe_activation_bytes`), and engines holding every expert over their TP.
+(:func:`moe_activation_bytes`), Megatron's sequence parallelism at tp > 1
+(:func:`sequence_parallel`), and engines holding every expert over their TP.
 Not modelled for them: routing imbalance (each EP rank's experts are assumed to
 draw their share of a micro-batch's tokens), the token dispatcher's transient
 buffers, and SGLang's fused-MoE workspaces.
@@ -148,6 +149,14 @@ def trainer_state(spec: ModelSpec, *, tp: int, pp: int, stage: int, dp_cp: int, 
                         experts=2 * FP32 * expert + 2 * FP32 * expert_shard)
 
 
+def sequence_parallel(spec: ModelSpec, tp: int) -> bool:
+    """Whether the trainer runs Megatron's sequence parallelism: for a mixture-of-experts model at
+    tp > 1 (megatron_ext.model ``_moe_kwargs``: megatron-core trains MoE layers split over TP only
+    so), never for a dense model. Each TP rank then keeps ``1/tp`` of the sequence's positions of
+    what a layer holds outside its tensor-parallel regions (norms, residual stream, layer inputs)."""
+    return spec.is_moe and tp > 1
+
+
 def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, te: bool = True, layer: int = 0,
                            alltoall: bool = True) -> int:
     """bf16 activations decoder layer ``layer`` keeps for backward, on one TP rank, for ``tokens`` tokens.
@@ -171,17 +180,24 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, te: bool = 
       is off): the fc1 output ``[T, 2f/t]`` (alive through its chunks), then
       ``silu(gate)``, ``up + glu_linear_offset`` and their product (fc2's
       input), ``f/t`` each: 10f bytes where their GeLU MLP has 16h;
-    - sequence parallelism is off, so the norm inputs and outputs (the QKV
-      and fc1 inputs) are full ``h`` on every TP rank: 8h with Transformer
-      Engine's fused norm + linear. Megatron's local layer (``te=False``) runs
-      torch's RMSNorm, which keeps two fp32 copies of its input: 20h.
+    - sequence parallelism is off for dense models, so the norm inputs and
+      outputs (the QKV and fc1 inputs) are full ``h`` on every TP rank: 8h
+      with Transformer Engine's fused norm + linear. Megatron's local layer
+      (``te=False``) runs torch's RMSNorm, which keeps two fp32 copies of its
+      input: 20h. With sequence parallelism (mixture-of-experts models at
+      tp > 1, :func:`sequence_parallel`) each TP rank holds these for its
+      ``T/tp`` positions only: the norms run on its sequence shard, and the
+      linears after them gather the sequence in forward and save their
+      un-gathered input (gathering again in backward): 8h/t (20h/t), which is
+      Korthikanti's ``34/t``.
 
     - Qwen3's q/k norms read Q and K as views of the fused QKV output
       (already counted) and keep an fp32 1/rms per head, 4(a+g); torch's
       RMSNorm (``te=False``) keeps two fp32 copies of its input, 8(a+g)d more.
       This term is derived, not measured.
 
-    bytes per token = 8h + (2(a+2g)d + 2(a+g)d + 2ad + 4a + 10f [+ qk norms]) / t.
+    bytes per token = 8h + (2(a+2g)d + 2(a+g)d + 2ad + 4a + 10f [+ qk norms]) / t,
+    with sequence parallelism (8h + 2(a+2g)d + ...) / t.
 
     Measured on an H100 (torch 2.11, megatron-core 0.16.1, local layer,
     Qwen2.5-7B widths, 4 layers): one layer's saved tensors come to this
@@ -190,16 +206,17 @@ def layer_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, te: bool = 
     :func:`trainer_peak_bytes` (0.98-0.99x with recompute).
 
     Mixture of experts: a sparse layer (``layer in spec.moe_layers``) has no dense SwiGLU (no 10f)
-    and adds :func:`moe_activation_bytes`. The trainer runs MoE models at TP 1 (check_layout:
-    megatron-core trains an MoE layer with TP > 1 only under sequence parallelism, which it does
-    not run), so the terms above are whole.
+    and adds :func:`moe_activation_bytes`. At tp > 1 the trainer runs MoE models under sequence
+    parallelism (megatron-core trains an MoE layer split over TP only so), which splits the norms'
+    8h (20h) over TP as above; a dense layer of an MoE model (``mlp_only_layers``) is split alike.
     """
     h, d, a, g, f = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.intermediate_size
     sparse = layer in spec.moe_layers
     sharded = 2 * (a + 2 * g) * d + 2 * (a + g) * d + 2 * a * d + 4 * a + (0 if sparse else 10 * f)
     if spec.qk_norm:
         sharded += 4 * (a + g) + (0 if te else 8 * (a + g) * d)
-    return (tokens * (8 if te else 20) * h + math.ceil(tokens * sharded / tp)
+    positions = math.ceil(tokens / tp) if sequence_parallel(spec, tp) else tokens  # this rank's share of the norms
+    return (positions * (8 if te else 20) * h + math.ceil(tokens * sharded / tp)
             + (moe_activation_bytes(spec, tp, tokens, alltoall=alltoall) if sparse else 0))
 
 
@@ -210,33 +227,54 @@ def moe_activation_bytes(spec: ModelSpec, tp: int, tokens: int, *, alltoall: boo
     token dispatcher on a GPU, ``alltoall=False`` the allgather one megatron_ext uses on CPU). The
     norms and attention are :func:`layer_activation_bytes`'.
 
-    - router: the fp32 softmax over all experts the aux loss keeps, 4E; the routing's top-k
-      indices over the logits (int64) and the fp32 softmax over the chosen ones, 12k (the aux
-      loss's own top-k over its softmax saves indices too, but its node is dropped at once);
-    - dispatcher: the fp32 probabilities ``[E, T]`` the ``masked_select`` that permutes them saves,
-      its bool mask and the routing map the dispatcher keeps as an attribute, 6E; the alltoall
-      dispatcher also keeps the router's ``[T, E]`` fp32 probabilities (``self.probs``), 4E more.
-      (The allgather one gathers the EP x TP group's tokens into Megatron's global buffer, ``2h``
-      per token per EP rank, kept for the step and not counted here: it runs on CPU only.)
+    At tp > 1 the layer runs under sequence parallelism (:func:`sequence_parallel`): a TP rank
+    routes only its own ``T' = T/tp`` positions (``T' = T`` at tp 1), and the dispatcher gathers
+    the rows its experts need over TP (token_dispatcher.py: the alltoall one all-gathers over the
+    TP group after the EP all-to-all, the allgather one gathers over TP x EP), since each TP slice
+    of an expert needs every row routed to that expert from the TP group's whole sequence.
+
+    - router, on this rank's positions: the fp32 softmax over all experts the aux loss keeps, 4E;
+      the routing's top-k indices over the logits (int64) and the fp32 softmax over the chosen
+      ones, 12k (the aux loss's own top-k over its softmax saves indices too, but its node is
+      dropped at once): ``T' (4E + 12k)``;
+    - dispatcher: the fp32 probabilities ``[E, tokens]`` the ``masked_select`` that permutes them
+      saves, its bool mask and the routing map the dispatcher keeps as an attribute, 6E per token
+      it permutes. The alltoall dispatcher permutes this rank's positions before the exchange:
+      ``T' (6E + 4E)`` with the router's ``[T', E]`` fp32 probabilities it keeps
+      (``self.probs``), and the int64 position of each of its ``T' k`` routed rows, 8 each. The
+      allgather one gathers the TP x EP group's routing and permutes ``T ep`` tokens for its
+      ``E/ep`` experts: ``6E T`` whatever tp, and the int64 position of each of the ``T k`` rows its
+      experts get. (It also gathers the group's hidden states into Megatron's global buffer,
+      ``2h`` per token per EP rank, kept for the step and not counted here: it runs on CPU only.)
     - experts: each token reaches ``k`` experts, so with balanced routing a GPU's ``E/ep`` experts
-      get ``T * ep * k / ep = T * k`` rows whatever ep is: their full-width input ``2h`` (not split
-      over TP: each TP rank's slice of an expert needs every row), its int64 position and fp32
-      probability 12, and the SwiGLU over ``i/tp`` columns as in a dense layer, 10i, plus the
+      get ``T * ep * k / ep = T * k`` rows whatever ep and tp are: their full-width input ``2h``
+      (not split over TP: each TP rank's slice of an expert needs every row), their fp32
+      probability 4, and the SwiGLU over ``i/tp`` columns as in a dense layer, 10i, plus the
       probability-weighted copy fc2 reads, 2i: ``12i/tp``.
 
-    bytes = T * (4E + 12k + 6E [+ 4E alltoall]) + T*k * (2h + 12 + 12i/tp).
+    bytes = T' (4E + 12k + 10E + 8k) + T k (2h + 4 + 12i/tp)   (alltoall)
+          = T' (4E + 12k) + 6E T + T k (2h + 12 + 12i/tp)       (allgather);
+    at tp 1 both are T (4E + 12k + 6E [+ 4E alltoall]) + T k (2h + 12 + 12i).
     Against a dense layer's ``10f/tp`` per token, top-k routing makes the MLP's share
-    ``k * (2h + 12i/tp)``. Checked against the tensors megatron-core's MoE layer keeps on CPU with
-    the allgather dispatcher (tests/unit/test_plan.py): equal but for 68 bytes (the aux loss and the
-    per-expert token counts); the alltoall terms are read from its code (it needs CUDA). Routing is
+    ``k * (2h + 12i/tp)``: sequence parallelism divides the router's and the alltoall dispatcher's
+    per-token terms by tp, not the experts' rows. Checked against the tensors megatron-core's MoE layer keeps
+    on CPU with the allgather dispatcher (tests/unit/test_plan.py, TP = EP = 1): equal but for 68
+    bytes (the aux loss and the per-expert token counts); at TP = 2 under sequence parallelism (two
+    CPU ranks, testkit's random Qwen3-MoE, 256 tokens; a one-off run, not in the test suite) the
+    same 68 bytes. The alltoall terms are read from its code (that dispatcher needs CUDA). Routing is
     assumed balanced (the aux loss's aim): a GPU whose experts draw more than their share of a
-    micro-batch keeps more. The dispatchers' transient copies (permuted, exchanged and sorted
-    rows, ``2h`` per routed token each) live within one layer's forward or backward.
+    micro-batch keeps more. The dispatchers' transient copies (permuted, exchanged, gathered and
+    sorted rows, ``2h`` per routed token each) live within one layer's forward or backward.
     """
     h, e, k, i = spec.hidden_size, spec.num_experts, spec.experts_per_token, spec.moe_intermediate_size
-    routed = tokens * k
-    return (tokens * (4 * e + 12 * k + 6 * e + (4 * e if alltoall else 0)) + routed * (2 * h + 12)
-            + math.ceil(routed * 12 * i / tp))
+    local = math.ceil(tokens / tp) if sequence_parallel(spec, tp) else tokens  # positions this rank routes
+    routed = tokens * k  # rows this GPU's experts get, gathered over TP
+    router = local * (4 * e + 12 * k)
+    if alltoall:
+        dispatcher, rows = local * (6 * e + 4 * e + 8 * k), routed * (2 * h + 4)
+    else:
+        dispatcher, rows = tokens * 6 * e, routed * (2 * h + 12)
+    return router + dispatcher + rows + math.ceil(routed * 12 * i / tp)
 
 
 def activation_bytes(spec: ModelSpec, *, tp: int, pp: int, stage: int, tokens: int, recompute: bool,
@@ -250,23 +288,27 @@ def activation_bytes(spec: ModelSpec, *, tp: int, pp: int, stage: int, tokens: i
     that layer on top of the log-prob buffers overstates the last stage by at most one layer, as
     backward rebuilds it after the logits are freed. A mixture-of-experts model's layers differ
     (sparse and dense); per GPU its activations do not depend on ``ep`` (:func:`moe_activation_bytes`).
+    Under sequence parallelism (:func:`sequence_parallel`) the layer inputs a recompute keeps and
+    the final norm's input and output are this TP rank's ``tokens/tp`` positions.
     """
     in_flight, layers = pp - stage, _stage_layers(spec, pp, stage)
     h = spec.hidden_size
+    positions = math.ceil(tokens / tp) if sequence_parallel(spec, tp) else tokens
     per_layer = {sparse: layer_activation_bytes(spec, tp, tokens, te=te, layer=layer)
                  for layer in layers for sparse in (layer in spec.moe_layers,)}
     counts = {sparse: sum((layer in spec.moe_layers) == sparse for layer in layers) for sparse in per_layer}
     if recompute:
-        kept = in_flight * len(layers) * BF16 * h * tokens + max(per_layer.values())
+        kept = in_flight * len(layers) * BF16 * h * positions + max(per_layer.values())
     else:
         kept = in_flight * sum(per_layer[sparse] * counts[sparse] for sparse in per_layer)
     if stage == pp - 1:  # the final norm's input and output (the output layer's input), as in a layer
-        kept += (4 if te else 10) * h * tokens
+        kept += (4 if te else 10) * h * positions
     return kept
 
 
 def logits_bytes(spec: ModelSpec, tp: int, tokens: int) -> int:
-    """bf16 logits ``[tokens, V/tp]`` and the larger of the log-prob code's forward and backward peaks."""
+    """bf16 logits ``[tokens, V/tp]`` and the larger of the log-prob code's forward and backward peaks;
+    under sequence parallelism too (the output layer gathers the sequence, then splits the vocabulary)."""
     cols, chunk = padded_vocab(spec, tp) // tp, min(tokens, LOGPROB_CHUNK_TOKENS)
     forward = LOGIT_FP32_COPIES * chunk * FP32
     backward = tokens * BF16 + LOGIT_FP32_COPIES * chunk * FP32

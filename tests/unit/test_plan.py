@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -320,8 +321,15 @@ def test_tiny_moe_by_hand():
     assert plan_sizes.moe_activation_bytes(TINY_MOE, 1, t, alltoall=False) == allgather
     assert plan_sizes.moe_activation_bytes(TINY_MOE, 1, t) == allgather + t * 4 * e
     assert plan_sizes.layer_activation_bytes(TINY_MOE, 1, t, layer=0) == dense - t * 10 * 160 + allgather + t * 4 * e
-    # over TP the experts' rows stay whole (each TP slice of an expert needs them), their SwiGLU splits
-    assert plan_sizes.moe_activation_bytes(TINY_MOE, 2, t) == allgather + t * 4 * e - t * k * 12 * i // 2
+    # at TP 2 (sequence parallel): the router and the alltoall dispatcher's maps and indices cover this rank's
+    # t/2 positions; the experts' rows, gathered over TP, stay t * k and whole (each TP slice of an expert needs
+    # them), their SwiGLU splits
+    local = t // 2
+    assert plan_sizes.moe_activation_bytes(TINY_MOE, 2, t) == (
+        local * (4 * e + 12 * k + 10 * e + 8 * k) + t * k * (2 * h + 4 + 12 * i // 2))
+    # the allgather dispatcher gathers the TP x EP group's routing: its 6E per token and the rows' indices stay
+    assert plan_sizes.moe_activation_bytes(TINY_MOE, 2, t, alltoall=False) == (
+        local * (4 * e + 12 * k) + t * 6 * e + t * k * (2 * h + 12 + 12 * i // 2))
 
 
 def test_experts_halve_when_ep_doubles_and_dense_models_are_unchanged():
@@ -348,6 +356,46 @@ def test_experts_halve_when_ep_doubles_and_dense_models_are_unchanged():
                          ("qwen2.5-32b", ["58.16", "78.51", "66.08"])):
         assert [plan_sizes.gb(_plan(name).total(phase)) for phase in plan.PHASES] == totals, name
     assert not any(line.startswith("experts:") for line in _plan("qwen2.5-7b").header)
+
+
+def test_sequence_parallel_splits_moe_activations_over_tp_and_leaves_dense_models_alone():
+    """A mixture-of-experts model at tp > 1 trains under sequence parallelism (megatron_ext.model): what a
+    layer keeps outside its tensor-parallel regions (norms, layer inputs, the final norm) and the router's
+    and alltoall dispatcher's per-token terms are this rank's T/tp positions; the experts' T*k gathered rows
+    (2h + 4 each) are not split, their SwiGLU is (12i/tp). A dense model at tp > 1 keeps its plan."""
+    h, e, k, i = MOE.hidden_size, MOE.num_experts, MOE.experts_per_token, MOE.moe_intermediate_size
+    t = 17408
+    assert plan_sizes.sequence_parallel(MOE, 2) and not plan_sizes.sequence_parallel(MOE, 1)
+    rows = t * k * (2 * h + 4)  # the experts' rows: the same at every tp
+    per_position = lambda tp: (plan_sizes.moe_activation_bytes(MOE, tp, t)  # noqa: E731
+                               - rows - t * k * 12 * i // tp)
+    assert per_position(1) == t * (4 * e + 12 * k + 10 * e + 8 * k)
+    for tp in (2, 4):
+        assert per_position(tp) * tp == per_position(1)
+        # the whole layer: every term but the experts' rows divided by tp
+        one, split = (plan_sizes.layer_activation_bytes(MOE, n, t, layer=0) for n in (1, tp))
+        assert split - rows == pytest.approx((one - rows) / tp, abs=4)
+        # with recompute: the layer inputs kept and the final norm's, too; at fixed ep (activations do not
+        # depend on it) and fixed pp
+        for recompute in (False, True):
+            acts = {n: plan_sizes.activation_bytes(MOE, tp=n, pp=1, stage=0, tokens=t, recompute=recompute)
+                    for n in (1, tp)}
+            layers = MOE.num_layers if not recompute else 1
+            assert acts[tp] - layers * rows == pytest.approx((acts[1] - layers * rows) / tp, abs=4 * MOE.num_layers)
+        # the log-prob buffers are [T, V/tp], as for a dense model at that tp
+        assert plan_sizes.logits_bytes(MOE, tp, t) < plan_sizes.logits_bytes(MOE, 1, t) / tp * 1.01
+    # the plan's activations at tp 2 vs tp 1, ep 4 either way (16 GPUs)
+    cfg = _shipped("qwen3-30b-a3b", "trainer.ep=4")
+    plans = {tp: plan.plan_memory(replace(cfg, trainer=replace(cfg.trainer, tp=tp)), MOE, world_size=16,
+                                  device_bytes=DEVICE, fixes=False) for tp in (1, 2)}
+    acts = {tp: next(item.nbytes for item in p.items if item.name.startswith("activations") and item.counted)
+            for tp, p in plans.items()}
+    assert acts[2] == plan_sizes.activation_bytes(MOE, tp=2, pp=1, stage=0, tokens=t, recompute=True) < acts[1] / 1.8
+    # dense models: no sequence parallelism, the norms whole on every TP rank (8h per token with TE)
+    dense = parse_spec(plan.SHAPES_DIR / "qwen2.5-7b.json")
+    assert not plan_sizes.sequence_parallel(dense, 2)
+    one, two = (plan_sizes.layer_activation_bytes(dense, n, 1000) for n in (1, 2))
+    assert one - 1000 * 8 * dense.hidden_size == 2 * (two - 1000 * 8 * dense.hidden_size)
 
 
 def test_moe_layer_activations_match_megatron(layout, tmp_path):
@@ -424,15 +472,18 @@ def test_moe_layout_that_cannot_fit_is_refused_with_the_keys_and_a_layout_that_d
                             "+ trainer state 206.09 GB; fix: trainer.ep=8 with trainer.stream=false (trainer state "
                             "53.89 GB)")
     assert train.endswith("or the layout trainer.tp=1 trainer.pp=1 trainer.ep=8 with trainer.stream=false, which fits")
-    assert any("in the sync phase" in m and "a higher trainer.ep or trainer.pp" in m for m in p.problems)
+    assert any("in the sync phase" in m and "a higher trainer.tp, trainer.ep or trainer.pp" in m for m in p.problems)
     with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: the memory plan does not fit 80.00 GB per GPU: .*"
                                           r"train phase needs .*trainer.ep=8.*trainer.tp=1 trainer.pp=1 trainer.ep=8"):
         plan.check_memory(_shipped("qwen3-30b-a3b", "trainer.ep=1"), 16)
-    # one node: no layout fits (the trainer runs MoE at tp 1: its log-prob buffers are whole), and the plan
-    # says so; four GPUs cannot hold 18 bytes per parameter of 30.5e9 in any layout
+    # one node: no layout fits, tp > 1 included, and the plan says why: the trainer state's floor beside the
+    # lightest engine in the sync phase; four GPUs cannot hold 18 bytes per parameter of 30.5e9 in any layout
     (one,) = [m for m in _plan_on("qwen3-30b-a3b", 8).problems if m.startswith("train phase")]
-    assert one.startswith("train phase needs 97.52 GB") and one.endswith("no trainer.tp/pp/ep layout fits with the "
-                                                                         "rest as it is")
+    assert one.startswith("train phase needs 97.52 GB") and one.endswith(
+        "no trainer.tp/pp/ep layout fits with the rest as it is, nor can one: in the sync phase the trainer state "
+        "(bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, are 68.70 GB per GPU "
+        "over 8 GPUs at best) sits beside the engine weights (TP 4, the lightest built: 15.29 GB), the weight push "
+        "(1.87 GB) and the CUDA contexts (1.44 GB): 87.29 GB > 80.00 GB: more GPUs")
     (four,) = [m for m in _plan_on("qwen3-30b-a3b", 4, "trainer.ep=4").problems if m.startswith("train phase")]
     assert four.endswith("are 137.39 GB per GPU over 4 GPUs at best: more GPUs")
 
@@ -442,22 +493,39 @@ def _plan_on(name: str, world: int, *overrides: str) -> plan.MemoryPlan:
     return plan.plan_memory(cfg, plan.resolve_spec(cfg)[0], world_size=world, device_bytes=DEVICE)
 
 
-def test_qwen3_30b_a3b_fits_two_nodes(no_cuda, tmp_path):
+def test_qwen3_30b_a3b_fits_two_nodes_and_no_layout_fits_one(no_cuda, tmp_path):
     p = _plan("qwen3-30b-a3b")
     print(p.render())
     assert p.fits
     cfg = _shipped("qwen3-30b-a3b")
-    model = tmp_path / "Qwen3-30b-a3b"  # the layout checks that read the model: heads, TP 1 for MoE, sparse layers
+    model = tmp_path / "Qwen3-30b-a3b"  # the layout checks that read the model: heads, experts, sparse layers
     model.mkdir()
     (model / "config.json").write_text((plan.SHAPES_DIR / "qwen3-30b-a3b.json").read_text())
     check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}"), 16, require_files=False)
+    # the alternative the config names, tp 2 with ep 4, is accepted and fits too, with more room
+    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}", "trainer.tp=2", "trainer.ep=4"), 16,
+                 require_files=False)
+    tp2 = _plan("qwen3-30b-a3b", "trainer.tp=2", "trainer.ep=4")
+    assert tp2.fits and [plan_sizes.gb(tp2.total(phase)) for phase in plan.PHASES] == ["57.44", "67.91", "60.69"]
+    assert tp2.header[-1].endswith("each split over tp 2, expert data parallel 2, 43.49 GB of the trainer state; "
+                                   "sequence parallel over tp")
     assert (cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.ep, cfg.trainer.stream, cfg.rollout.tp) == (1, 1, 8, False, 4)
     assert [plan_sizes.gb(p.total(phase)) for phase in plan.PHASES] == ["57.44", "72.48", "74.62"]
     assert [e.tp for e in p.engines] == [4]
     assert p.header[-1].endswith("trainer ep 8: 16 experts per GPU, each split over tp 1, expert data parallel 2, "
                                  "43.49 GB of the trainer state")
-    # the least split layout that fits 16 GPUs; none fits 8, whatever engines are built
-    assert plan.fitting_layouts(cfg, MOE, world_size=16, device_bytes=DEVICE)[0] == (1, 1, 8, None)
+    # the least split layout that fits 16 GPUs, then others with tp > 1 (searched over the tps dividing the heads,
+    # KV heads and expert width); none fits 8, whatever tp and engines
+    layouts = plan.fitting_layouts(cfg, MOE, world_size=16, device_bytes=DEVICE)
+    assert layouts[0] == (1, 1, 8, None) and (2, 1, 4, None) in layouts and (4, 1, 2, None) in layouts
+    assert {tp for tp, *_ in layouts} == {1, 2, 4}  # 8 does not divide the 4 KV heads
     one_node = _shipped("qwen3-30b-a3b", "scheduler.planner.min_tp=1", "rollout.tp=1", "scheduler.planner.short_tp=1",
                         "scheduler.planner.long_tp=1")
     assert plan.fitting_layouts(one_node, MOE, world_size=8, device_bytes=DEVICE) == []
+    # the closest one-node layouts (docs/gpu.md, the config's comment): the train phase fits at tp 4, sync does not
+    closest = {layout: [plan_sizes.gb(_plan_on("qwen3-30b-a3b", 8, *(f"trainer.{key}={n}" for key, n in
+                                                                    zip(("tp", "pp", "ep"), layout))).total(phase))
+                        for phase in plan.PHASES] for layout in ((4, 2, 1), (4, 1, 2), (1, 1, 8))}
+    assert closest == {(4, 2, 1): ["57.44", "87.38", "75.05"], (4, 1, 2): ["57.44", "88.56", "76.66"],
+                       (1, 1, 8): ["57.44", "95.38", "97.52"]}
+    assert plan.PUBLISHED_NODES["qwen3-30b-a3b"] == 2
