@@ -3,16 +3,21 @@
 One explicit state machine per rank. The trainer and the rollout engines
 share the accelerator, so each phase keeps only its own memory resident::
 
-    TRAIN ------------> SYNC ---------------> ROLLOUT ------------> TRAIN
-          engine weights     trainer offloaded,       engines released,
-          resumed (for the   engine KV resumed        trainer onloaded
-          weight push)
+    TRAIN --------------> SYNC ---------------> ROLLOUT ------------> TRAIN
+          optimizer state      trainer params           engines released,
+          offloaded, engine    offloaded, engine        trainer onloaded
+          weights resumed      KV resumed
+          (for the weight push)
+
+In SYNC the engine's weights share the device with the trainer's params alone: the push reads
+nothing else, and the optimizer's state (main weights and moments, most of the trainer's bytes)
+waits on host until the next TRAIN.
 
 An engine of TP > 1 spans the devices of several ranks, and its leader alone releases and resumes
-its memory on all of them. So between the trainer's offload and the engine's resume, and between
-the engine's release and the trainer's onload, the ranks of the engine wait for each other
-(``barrier``): otherwise a follower could onload its trainer onto a device the leader's engine has
-not released yet, or the leader resume KV onto a device whose trainer is still resident.
+its memory on all of them. So between each trainer offload and the engine's resume that follows it,
+and between the engine's release and the trainer's onload, the ranks of the engine wait for each
+other (``barrier``): otherwise a follower could onload its trainer onto a device the leader's engine
+has not released yet, or the leader resume weights or KV onto a device whose trainer still holds them.
 
 A run starts in TRAIN with every engine released. Weights are pushed in SYNC,
 right before the rollout that uses them, so a regroup between rounds only
@@ -41,6 +46,7 @@ CACHE = ("kv_cache", "cuda_graph")
 
 
 class Offloadable(Protocol):
+    def offload_optimizer(self) -> None: ...
     def offload(self) -> None: ...
     def onload(self) -> None: ...
 
@@ -66,7 +72,8 @@ class PhaseMachine:
         self._table: dict[tuple[Phase, Phase], list[tuple[str, Callable[[], None]]]] = {
             (Phase.ROLLOUT, Phase.TRAIN): [("offload", lambda: self._engines("release_memory", WEIGHTS + CACHE)),
                                            ("barrier", barrier), ("onload", self.trainer.onload)],
-            (Phase.TRAIN, Phase.SYNC): [("onload", lambda: self._engines("resume_memory", WEIGHTS))],
+            (Phase.TRAIN, Phase.SYNC): [("offload", self.trainer.offload_optimizer), ("barrier", barrier),
+                                        ("onload", lambda: self._engines("resume_memory", WEIGHTS))],
             (Phase.SYNC, Phase.ROLLOUT): [("offload", self.trainer.offload), ("barrier", barrier),
                                           ("onload", lambda: self._engines("resume_memory", CACHE))],
         }

@@ -61,6 +61,8 @@ class StorageOffload:
     a bug (on CPU it reads a null pointer). Kept storages are copied to host first and come back
     bit-identical; dropped ones come back zero-filled. On CPU the host is the device: only the
     dropped bytes are gained, and the same path runs so that CPU runs exercise the GPU one.
+    Releases may come in stages (the optimizer's state, then the params): one restore brings back
+    everything released since the last.
     """
 
     def __init__(self, device: torch.device):
@@ -69,30 +71,34 @@ class StorageOffload:
         self._pin = device.type == "cuda"
         self._host: list[torch.Tensor] = []
         self._released: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] | None = None
+        self._kept = 0  # host copies made since the last restore (this cycle's index into _host)
 
-    def release(self, keep: list[torch.Tensor], drop: list[torch.Tensor]) -> int:
-        """Release the storages of ``keep`` (after a host copy) and of ``drop``; returns the bytes freed."""
-        if self._released is not None:
+    def release(self, keep: list[torch.Tensor], drop: list[torch.Tensor],
+                spare: list[torch.Tensor] = ()) -> int:
+        """Release the storages of ``keep`` (after a host copy) and of ``drop``, except those under
+        ``spare`` and those released already; returns the bytes freed."""
+        spared = _distinct_storages(list(spare))
+        kept = {ptr: s for ptr, s in _distinct_storages(keep).items() if ptr not in spared}
+        dropped = {ptr: s for ptr, s in _distinct_storages(drop).items() if ptr not in kept and ptr not in spared}
+        if self._released is not None and not kept and not dropped:
             raise RuntimeError("offload() twice without an onload() between")
-        kept = _distinct_storages(keep)
-        dropped = {ptr: s for ptr, s in _distinct_storages(drop).items() if ptr not in kept}
         fixed = [s for s in (*kept.values(), *dropped.values()) if not s.resizable()]
         if fixed:  # refused before anything is touched, so the trainer stays whole
             raise RuntimeError(f"offload: {len(fixed)} storage(s) of the trainer's state cannot be resized (e.g. "
                                "tensors still owned by torch.load's buffer); copy them when they are loaded")
-        released, hosts = [], []
-        for i, storage in enumerate(kept.values()):
-            n = storage.nbytes()
+        released = []
+        for storage in kept.values():
+            n, i = storage.nbytes(), self._kept
             reuse = i < len(self._host) and self._host[i].numel() == n
             host = self._host[i] if reuse else torch.empty(n, dtype=torch.uint8, pin_memory=self._pin)
             host.untyped_storage().copy_(storage, non_blocking=True)
             released.append((storage, n, host))
-            hosts.append(host)
-        self._host = hosts
+            self._host[i:i + 1] = [host]
+            self._kept += 1
         released += [(storage, storage.nbytes(), None) for storage in dropped.values()]
         for storage, _, _ in released:
             storage.resize_(0)
-        self._released = released
+        self._released = (self._released or []) + released
         return sum(n for _, n, _ in released)
 
     def restore(self) -> int:
@@ -106,6 +112,8 @@ class StorageOffload:
             else:
                 storage.copy_(host.untyped_storage(), non_blocking=True)
         restored, self._released = sum(n for _, n, _ in self._released), None
+        del self._host[self._kept:]  # copies a shorter cycle no longer uses
+        self._kept = 0
         if not self._pin:
             self._host = []
         return restored
@@ -258,20 +266,33 @@ class Backend(abc.ABC):
     def load_optimizer_state_dict(self, state: dict[str, Any]) -> None: ...
 
     @abc.abstractmethod
-    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(kept, dropped): every tensor of the params, grads and optimizer state. Kept ones (params,
-        optimizer state) survive an offload bit-identically; dropped ones (grads: dead once the step
-        is taken, and every step starts by zeroing them) come back as zeros, as Megatron's
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(params, optimizer, dropped): every tensor of the params (and the buffers they are views
+        of), of the optimizer's state (main weights, moments), and the grads. Params and optimizer
+        state survive an offload bit-identically; dropped ones (grads: dead once the step is taken,
+        and every step starts by zeroing them) come back as zeros, as Megatron's
         ``_ParamAndGradBuffer.reload_from_cpu`` gives them back."""
 
+    def offload_optimizer(self) -> Moved:
+        """Release the optimizer's state and the grads, keeping the params, which the weight push
+        reads: during a sync the engine's weights then share the device with the params alone."""
+        params, optimizer, drop = self._on_device()
+        return self._release(optimizer, drop, spare=params)
+
     def offload(self) -> Moved:
-        """Release this rank's params, grads and optimizer state from the device (kept ones wait on
-        host) so that the rollout engine can use the memory."""
-        t0 = time.perf_counter()
+        """Release this rank's params, grads and optimizer state (what ``offload_optimizer`` left)
+        from the device (kept ones wait on host) so that the rollout engine can use the memory."""
+        params, optimizer, drop = self._on_device()
+        return self._release(params + optimizer, drop)
+
+    def _on_device(self) -> tuple[list[torch.Tensor], ...]:
         # Only what sits on the accelerator: e.g. torch Adam's step counters live on the host anyway.
-        keep, drop = ([t for t in tensors if t.device.type == self.layout.device.type]
-                      for tensors in self._device_state())
-        freed = self._offload.release(keep, drop)
+        return tuple([t for t in tensors if t.device.type == self.layout.device.type]
+                     for tensors in self._device_state())
+
+    def _release(self, keep: list[torch.Tensor], drop: list[torch.Tensor], spare: list[torch.Tensor] = ()) -> Moved:
+        t0 = time.perf_counter()
+        freed = self._offload.release(keep, drop, spare)
         if self.layout.device.type == "cuda":
             torch.cuda.empty_cache()  # the caching allocator would keep the blocks from the engine
         return Moved(freed, self._since(t0))

@@ -123,6 +123,6 @@ class CpuBackend(Backend):
                 if isinstance(v, torch.Tensor):
                     s[k] = v.clone()
 
-    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return (list(self.model.parameters()) + state_tensors(self.optimizer),
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        return (list(self.model.parameters()), state_tensors(self.optimizer),
                 [p.grad for p in self._params if p.grad is not None])

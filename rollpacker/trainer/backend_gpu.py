@@ -218,7 +218,7 @@ class GpuBackend(Backend):
             _unshare_adam_steps(o)
             o.load_parameter_state_from_dp_reshardable(s["param_state"])
 
-    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         # DDP's flat buffers hold every param and main grad (as views). The distributed optimizer
         # holds its fp32 main shards (of bf16 params: copies; of fp32 params, such as the local spec's
         # norms in a bf16 model: views of the param buffer, moved with it), their grads (views of the
@@ -226,11 +226,11 @@ class GpuBackend(Backend):
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
         # The params themselves too: views of the param buffer (the same storage), or where DDP keeps no
         # param buffer (param_data None), storages of their own.
-        keep = [b.param_data for b in buffers if b.param_data is not None] + list(self.model.parameters())
-        drop = [b.grad_data for b in buffers]
+        params = [b.param_data for b in buffers if b.param_data is not None] + list(self.model.parameters())
+        optimizer, drop = [], [b.grad_data for b in buffers]
         for o in self.optimizer.chained_optimizers:
             for group in o.optimizer.param_groups:
-                keep += group["params"]
+                optimizer += group["params"]  # the main weights (views of the param buffer stay with it)
                 drop += [p.grad for p in group["params"] if p.grad is not None]
-            keep += state_tensors(o.optimizer)
-        return keep, drop
+            optimizer += state_tensors(o.optimizer)
+        return params, optimizer, drop

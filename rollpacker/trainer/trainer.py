@@ -80,6 +80,11 @@ class Trainer:
 
     # -- phases and weights ---------------------------------------------------------------------------
 
+    def offload_optimizer(self) -> Moved:
+        """Release the optimizer's state and the grads before a sync (see ``Backend.offload_optimizer``);
+        the params stay for the weight push."""
+        return self.backend.offload_optimizer()
+
     def offload(self) -> Moved:
         """Release params, grads and optimizer state from the device before rollout (see
         ``Backend.offload``); nothing may touch the model until ``onload``."""

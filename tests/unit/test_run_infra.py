@@ -52,6 +52,9 @@ class _Recorder:
     def __init__(self, log):
         self.log = log
 
+    def offload_optimizer(self):
+        self.log.append("trainer.offload_optimizer")
+
     def offload(self):
         self.log.append("trainer.offload")
 
@@ -72,14 +75,14 @@ def test_phase_machine_follows_the_handoff_table():
                            barrier=lambda: calls.append("barrier"))
     for phase in (Phase.SYNC, Phase.ROLLOUT, Phase.TRAIN, Phase.SYNC):
         machine.to(phase)
-    # The engine's ranks meet between the trainer's offload and the engine's resume, and between the
-    # engine's release and the trainer's onload (a TP>1 engine's leader acts on every
-    # rank's device).
+    # The engine's ranks meet between each trainer offload and the engine's resume, and between the
+    # engine's release and the trainer's onload (a TP>1 engine's leader acts on every rank's device).
+    # A sync holds the trainer's params alone beside the engine's weights.
     assert calls == [
-        "engine.resume('weights',)",
+        "trainer.offload_optimizer", "barrier", "engine.resume('weights',)",
         "trainer.offload", "barrier", "engine.resume('kv_cache', 'cuda_graph')",
         "engine.release('weights', 'kv_cache', 'cuda_graph')", "barrier", "trainer.onload",
-        "engine.resume('weights',)",
+        "trainer.offload_optimizer", "barrier", "engine.resume('weights',)",
     ]
     assert {s.phase for s in timeline.spans} == {"offload", "barrier", "onload"}
     assert any(k.startswith("handoff/rollout_to_train/") for k in machine.pop_seconds())

@@ -187,10 +187,16 @@ def optimizer_tensors(trainer: Trainer) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor)]
 
 
+def names_of(trainer: Trainer) -> list[str]:
+    """The weight push's tensors, read while the trainer is in the sync phase."""
+    return [n for n, _ in trainer.iter_hf_tensors()]
+
+
 def test_offload_releases_the_state_and_onload_restores_it_exactly(layout, model_dir, tmp_path):
     """Offload frees the storage of every param, grad and Adam tensor and reports those bytes; onload
     brings params and optimizer state back bit-identical and grads as zeros, so the next step equals
-    that of a trainer that never offloaded; the HF export of the result round-trips."""
+    that of a trainer that never offloaded, also when the optimizer's state goes first (the sync
+    phase); the HF export of the result round-trips."""
     trainer, control = make(layout, model_dir), make(layout, model_dir)
     for t in (trainer, control):
         t.train_step(random_groups(6, num_groups=2))
@@ -217,8 +223,18 @@ def test_offload_releases_the_state_and_onload_restores_it_exactly(layout, model
         t.train_step(random_groups(7, num_groups=2))
     assert same(params(trainer), params(control)) and not same(params(trainer), weights)
     assert same(optimizer_tensors(trainer), optimizer_tensors(control))
-    trainer.offload()  # again after a step: what comes back is the new state, not the first copy's
-    trainer.onload()
+    # in stages, as a step's sync and rollout do: the optimizer's state and the grads first, the
+    # params (which the weight push reads) staying; then the params; one onload brings back both
+    moments = [t.clone() for t in optimizer_tensors(trainer)]
+    staged = trainer.backend.offload_optimizer()
+    assert staged.bytes == sum(t.nbytes for t in moments) + sum(g.nbytes for g in grads)
+    assert same(params(trainer), params(control)) and names_of(trainer) == names_of(control)
+    assert all(t.untyped_storage().nbytes() == 0 for t in optimizer_tensors(trainer))
+    assert trainer.offload().bytes == sum(p.nbytes for p in trainer.model.parameters())
+    trainer.onload()  # after a step: what comes back is the new state, not the first copy's
+    assert same(params(trainer), params(control)) and same(optimizer_tensors(trainer), moments)
+    for t in (trainer, control):
+        t.train_step(random_groups(8, num_groups=2))
     assert same(params(trainer), params(control))
     trainer.save_hf(tmp_path / "hf")
     reloaded = Trainer(trainer.cfg, tmp_path / "hf", layout)
