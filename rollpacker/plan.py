@@ -7,9 +7,11 @@ The trainer and the rollout engines share every GPU and take turns
 (:mod:`rollpacker.memory_phases`): in **rollout** the trainer's params and optimizer
 state wait on the host, its gradient buffer is freed (dropped on offload and
 zero-filled on onload, like Megatron's ``offload_to_cpu``) and one engine set
-holds its weights and KV pool; in **sync** the trainer is back while the
-awake engine set's weights are resumed and the new weights pushed into it;
-in **train** the engines are released and the trainer adds activations and
+holds its weights and KV pool; in **sync** the trainer keeps only its params,
+which the weight push reads (its optimizer state, fp32 main weights and Adam
+moments, waits on the host and its grads are freed), while the awake engine
+set's weights are resumed and the new weights pushed into it; in **train** the
+engines are released and the whole trainer is back, adding activations and
 log-prob buffers. Every byte of this plan is per GPU, for the worst
 pipeline stage and the largest engine set that is built.
 
@@ -54,8 +56,8 @@ DEFAULT_DEVICE_GB = 80.0
 CUDA_CONTEXT_BYTES = 720 * 10**6
 SHAPES_DIR = Path(__file__).with_name("plan_shapes")
 # Nodes of 8 GPUs in the published RollPacker runs (16 / 32 / 64 H800; 8 in the planner experiment),
-# and configs/qwen3-30b-a3b.yaml's 2 nodes: the CLI's default world.
-PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8, "qwen3-8b": 1, "qwen3-30b-a3b": 2}
+# and configs/qwen3-30b-a3b.yaml's 1 node: the CLI's default world.
+PUBLISHED_NODES = {"qwen2.5-7b": 2, "qwen2.5-14b": 4, "qwen2.5-32b": 8, "qwen3-8b": 1, "qwen3-30b-a3b": 1}
 PHASES = ("rollout", "sync", "train")
 GPU, HOST, FREED, ABSENT = "gpu", "host", "freed", "-"
 
@@ -154,8 +156,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
                    key=lambda s: s.total)
 
     train = worst_stage(t.recompute)
+    # in sync the trainer keeps its params alone (the weight push reads them); optimizer state on host, grads freed
     sync_state = max(trainer_state(spec, tp=t.tp, pp=t.pp, stage=k, dp_cp=dp * t.cp, dtype=t.params_dtype,
-                                   ep=t.ep).total for k in range(t.pp))
+                                   ep=t.ep).params for k in range(t.pp))
 
     tps = planner.tp_choices(world_size, ro.tp)
     if ro.backend == "sglang":  # bf16 engines in processes of their own; static budget of the whole GPU
@@ -181,11 +184,11 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
                        f"({longest} tokens, {gb(longest * per_token)} GB) exceed {static_name}")
             fix = "a higher rollout.mem_fraction_static" if ro.backend == "sglang" else "fewer kv_cache_tokens"
         elif sync_total > device_bytes:
-            problem = (f"rollout engine TP {tp} in the sync phase: trainer state {gb(sync_state)} GB + engine "
+            problem = (f"rollout engine TP {tp} in the sync phase: trainer params {gb(sync_state)} GB + engine "
                        f"weights {gb(weights)} GB + weight push {gb(push)} GB + CUDA contexts {gb(contexts)} GB "
                        f"= {gb(sync_total)} GB > {gb(device_bytes)} GB")
             higher = "trainer.tp, trainer.ep or trainer.pp" if spec.is_moe else "trainer.tp"
-            fix = f"less resident trainer state (a higher {higher})"
+            fix = f"fewer resident trainer params (a higher {higher})"
         engines.append(EnginePlan(tp, weights, per_token, static, longest, sync_total, problem, fix))
 
     shown = engines[0]  # the smallest TP: the largest weights of any set
@@ -193,9 +196,9 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
     acts_name = "activations, {} tokens/GPU, recompute {}"
     items = (
         Item(f"trainer params ({dtype})", train.state.params, (HOST, GPU, GPU)),
-        Item("trainer grads (fp32 buffer)", train.state.grads, (FREED, GPU, GPU)),
+        Item("trainer grads (fp32 buffer)", train.state.grads, (FREED, FREED, GPU)),
         Item(f"optimizer shard ({'fp32 main + ' if dtype == 'bf16' else ''}Adam m, v; 1/{dp * t.cp}"
-             + (f", experts 1/{dp * t.cp // t.ep})" if spec.is_moe else ")"), train.state.optimizer, (HOST, GPU, GPU)),
+             + (f", experts 1/{dp * t.cp // t.ep})" if spec.is_moe else ")"), train.state.optimizer, (HOST, HOST, GPU)),
         Item(acts_name.format(tokens, "on" if t.recompute else "off"), train.activations, (ABSENT, ABSENT, GPU)),
         Item(acts_name.format(tokens, "off" if t.recompute else "on"), worst_stage(not t.recompute).activations,
              (ABSENT, ABSENT, GPU), counted=False),
@@ -208,7 +211,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
     )
     failing = [e for e in engines if e.problem]
     problems = [f"{e.problem}; fix: {_engine_fix(e, engines, planner.enabled)}" for e in failing]
-    # the problems the trainer's layout can fix: the train phase, an engine beside the trainer in sync
+    # the problems the trainer's layout can fix: the train phase, an engine beside the trainer's params in sync
     trainer_bound = [i for i, e in enumerate(failing) if e.weights + longest * e.kv_per_token <= e.static]
     train_total = _total(items, "train")
     if train_total > device_bytes:
@@ -220,7 +223,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
                         + ("; fix: " + _train_fixes(cfg, spec, worst_stage, longest, world_size=world_size,
                                                     budget=budget) if fixes else ""))
     if spec.is_moe and fixes and trainer_bound:  # a MoE trainer's state is mostly experts: a layout that fits
-        # beside the trainer in sync at the least: the lightest engine set, alone, and the weight push
+        # beside the trainer's params in sync at the least: the lightest engine set, alone, and the weight push
         lightest = min(engines, key=lambda e: e.weights)
         beside = (lightest.tp, lightest.weights, push, (2 if ro.backend == "sglang" else 1) * CUDA_CONTEXT_BYTES)
         problems[trainer_bound[0]] += _layout_fix(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te,
@@ -251,18 +254,24 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
 def _layout_fix(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: int, te: bool,
                 beside: tuple[int, int, int, int]) -> str:
     """Name the first trainer layout that fits (:func:`fitting_layouts`), or say that none does, and
-    why none can where the bytes say so: the trainer state's floor alone, or that floor in the sync
-    phase beside ``beside`` (the lightest engine set's TP and weights, the weight push, the CUDA
-    contexts of the trainer and that one set)."""
+    why none can where the bytes say so: the trainer state's floor alone (the train phase), or the
+    params' floor in the sync phase beside ``beside`` (the lightest engine set's TP and weights, the
+    weight push, the CUDA contexts of the trainer and that one set): there the trainer keeps its
+    params alone."""
     layouts = fitting_layouts(cfg, spec, world_size=world_size, device_bytes=device_bytes, te=te)
     if not layouts:
-        floor = (BF16 + FP32 + 3 * FP32) * hf_param_count(spec) / world_size  # every weight split world_size ways
+        n = hf_param_count(spec)  # every weight split world_size ways
+        floor = (BF16 + FP32 + 3 * FP32) * n / world_size
         state = (f"bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, are "
                  f"{gb(floor)} GB per GPU over {world_size} GPUs at best")
+        dtype = cfg.trainer.params_dtype
+        params_floor = (BF16 if dtype == "bf16" else FP32) * n / world_size
+        params = (f"{dtype} weights, {BF16 if dtype == 'bf16' else FP32} bytes per parameter, are "
+                  f"{gb(params_floor)} GB per GPU over {world_size} GPUs at best")
         tp, weights, push, contexts = beside
-        sync = floor + weights + push + contexts
+        sync = params_floor + weights + push + contexts
         why = (f", nor can one: {state}: more GPUs" if floor > device_bytes else
-               f", nor can one: in the sync phase the trainer state ({state}) sits beside the engine weights "
+               f", nor can one: in the sync phase the trainer params ({params}) sit beside the engine weights "
                f"(TP {tp}, the lightest built: {gb(weights)} GB), the weight push ({gb(push)} GB) and the CUDA "
                f"contexts ({gb(contexts)} GB): {gb(sync)} GB > {gb(device_bytes)} GB: more GPUs"
                if sync > device_bytes else "")
@@ -387,7 +396,8 @@ def fitting_layouts(cfg: Config, spec: ModelSpec, *, world_size: int, device_byt
                     continue
                 if not planner.enabled:
                     continue
-                # fewer, larger engine sets: less engine weight and fewer CUDA contexts beside the trainer
+                # fewer, larger engine sets: less engine weight and fewer CUDA contexts beside the trainer's
+                # params in the sync phase
                 for min_tp in (e.tp for e in plan.engines if e.tp > planner.min_tp):
                     fewer = replace(trial, scheduler=replace(cfg.scheduler, planner=replace(planner, min_tp=min_tp)))
                     if plan_memory(fewer, spec, world_size=world_size, device_bytes=device_bytes, te=te,
@@ -442,8 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/qwen2.5-7b.yaml")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.recompute=true")
     p.add_argument("--nodes", type=int,
-                   help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B, 1 for Qwen3-8B; "
-                        "2 for Qwen3-30B-A3B), else 1")
+                   help="default: the published run's (2/4/8 for Qwen2.5-7B/14B/32B, 1 for Qwen3-8B "
+                        "and Qwen3-30B-A3B), else 1")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--device-gb", type=float, default=DEFAULT_DEVICE_GB, help="GPU memory in GB of 1e9 bytes")
     p.add_argument("--no-te", dest="te", action="store_false",

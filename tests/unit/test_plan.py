@@ -20,7 +20,7 @@ from tests.dist.megatron_fixtures import layout  # noqa: F401  (pytest fixture)
 
 CONFIGS = REPO_ROOT / "configs"
 DEVICE = int(80e9)
-PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen3-8b": 8, "qwen3-30b-a3b": 16}
+PUBLISHED_WORLD = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64, "qwen3-8b": 8, "qwen3-30b-a3b": 8}
 
 # make_random_qwen2's shape: h=64, 4 heads / 2 KV heads of d=16, ffn 160, 2 layers, vocab 250.
 TINY = parse_spec(dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=160,
@@ -129,7 +129,7 @@ def test_padding_rule_is_megatrons():
 
 def _fitting_tps(cfg, world: int) -> list[int]:
     """The rollout TPs whose engines fit: weights plus one longest request's KV in the static
-    budget, and weights beside the resident trainer in the sync phase."""
+    budget, and weights beside the trainer's params in the sync phase."""
     p = plan.plan_memory(cfg, plan.resolve_spec(cfg)[0], world_size=world, device_bytes=DEVICE)
     return [e.tp for e in p.engines if not e.problem]
 
@@ -177,15 +177,22 @@ def test_longest_sequence_sets_the_micro_batch():
 
 
 def test_engines_that_cannot_fit_are_named_with_the_smallest_tp_that_does(no_cuda):
-    # C6: every rank would build a TP-1 Qwen2.5-32B engine (65.5 GB) and a TP-2 one beside the trainer
+    # C6: every rank would build a TP-1 Qwen2.5-32B engine (65.5 GB); a TP-2 one (32.8 GB) fits beside the
+    # trainer's 16.4 GB of params in the sync phase
     cfg = _shipped("qwen2.5-32b", "scheduler.planner.min_tp=1")
     p = plan.plan_memory(cfg, plan.resolve_spec(cfg)[0], world_size=64, device_bytes=DEVICE)
-    tp1, tp2 = p.problems[:2]
+    (tp1,) = p.problems
     assert tp1.startswith("rollout engine TP 1: weights 65.53 GB") and "mem_fraction_static" in tp1
-    assert tp2.startswith("rollout engine TP 2 in the sync phase") and "scheduler.planner.min_tp=4" in tp2
-    assert _fitting_tps(cfg, 64) == [4, 8]
+    assert "scheduler.planner.min_tp=2" in tp1
+    assert _fitting_tps(cfg, 64) == [2, 4, 8]
     with pytest.raises(ConfigError, match="rollout engine TP 1"):
         plan.check_memory(cfg, 64)
+    # the trainer's params alone can crowd an engine out of the sync phase: unsplit, Qwen2.5-32B's are 65.5 GB
+    p = _plan("qwen2.5-32b", "trainer.tp=1")
+    tp4, tp8 = (m for m in p.problems if "in the sync phase" in m)
+    assert tp4.startswith("rollout engine TP 4 in the sync phase: trainer params 65.53 GB + engine weights 16.38 GB "
+                          "+ weight push 4.67 GB + CUDA contexts 2.16 GB = 88.74 GB > 80.00 GB")
+    assert tp8.endswith("fewer resident trainer params (a higher trainer.tp), or a shorter rollout.max_response_length")
 
 
 def test_preflight_refuses_before_any_work(tmp_path, monkeypatch, capsys, no_cuda):
@@ -351,9 +358,9 @@ def test_experts_halve_when_ep_doubles_and_dense_models_are_unchanged():
         assert states[ep].experts - states[2 * ep].experts == 6 * expert_total // (2 * ep)
     assert len({plan_sizes.stage_peak(MOE, tp=1, pp=1, stage=0, dp_cp=world, dtype="bf16", tokens=8192, recompute=False,
                                 ep=ep).activations for ep in states}) == 1
-    # a dense model: ep is 1, and the plans are those printed in docs/gpu.md before experts existed
-    for name, totals in (("qwen2.5-7b", ["58.88", "49.94", "43.41"]), ("qwen2.5-14b", ["59.60", "65.51", "38.62"]),
-                         ("qwen2.5-32b", ["58.16", "78.51", "66.08"])):
+    # a dense model: ep is 1, and the plans are those printed in docs/gpu.md
+    for name, totals in (("qwen2.5-7b", ["58.88", "29.00", "43.41"]), ("qwen2.5-14b", ["59.60", "45.20", "38.62"]),
+                         ("qwen2.5-32b", ["58.16", "39.60", "66.08"])):
         assert [plan_sizes.gb(_plan(name).total(phase)) for phase in plan.PHASES] == totals, name
     assert not any(line.startswith("experts:") for line in _plan("qwen2.5-7b").header)
 
@@ -444,48 +451,58 @@ def test_moe_layer_activations_match_megatron(layout, tmp_path):
 
 
 def test_expert_parallel_sizes_are_checked_naming_trainer_ep():
-    cfg = _shipped("qwen3-30b-a3b")  # ep 8 on 16 GPUs
-    plan.check_expert_parallel(cfg, MOE, 16)
+    cfg = _shipped("qwen3-30b-a3b")  # tp 4, ep 2 on 8 GPUs
+    plan.check_expert_parallel(cfg, MOE, 8)
+    tp1 = ("trainer.tp=1", "trainer.ep=8")
+    plan.check_expert_parallel(_shipped("qwen3-30b-a3b", *tp1), MOE, 16)
     with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: trainer.ep=8 does not divide world size / "
                                           r"\(trainer.tp\*trainer.pp\) = 8/\(1\*2\) = 4.*choose trainer.ep "
                                           r"among \[1, 2, 4\]"):
-        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2"), MOE, 8)
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", *tp1, "trainer.pp=2"), MOE, 8)
     with pytest.raises(ConfigError, match=r"trainer.ep=8 does not divide .* choose trainer.ep dividing 4"):
-        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2"), None, 8)  # model not read yet
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", *tp1, "trainer.pp=2"), None, 8)  # model not read yet
     with pytest.raises(ConfigError, match=r"trainer.ep=3 does not divide the model's num_experts=128 .*"
                                           r"among \[1, 2, 4\]"):
-        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.pp=2", "trainer.ep=3"), MOE, 24)
+        plan.check_expert_parallel(_shipped("qwen3-30b-a3b", "trainer.tp=1", "trainer.pp=2", "trainer.ep=3"), MOE, 24)
     with pytest.raises(ConfigError, match=r"trainer.ep=2 needs a mixture-of-experts model.*set trainer.ep=1"):
         plan.check_expert_parallel(_shipped("qwen3-8b", "trainer.ep=2"), parse_spec(plan.SHAPES_DIR / "qwen3-8b.json"),
                                    8)
-    with pytest.raises(ConfigError, match="trainer.ep=8 does not divide"):  # the plan itself refuses it too
+    with pytest.raises(ConfigError, match="trainer.ep=2 does not divide"):  # the plan itself refuses it too
         plan.plan_memory(_shipped("qwen3-30b-a3b"), MOE, world_size=4, device_bytes=DEVICE)
 
 
 def test_moe_layout_that_cannot_fit_is_refused_with_the_keys_and_a_layout_that_does(no_cuda):
-    """Qwen3-30B-A3B without expert parallelism (tp = ep = 1) on 16 x 80 GB: 206 GB of trainer state per GPU."""
-    p = _plan("qwen3-30b-a3b", "trainer.ep=1", "trainer.stream=true")
+    """Qwen3-30B-A3B without tensor or expert parallelism (tp = ep = 1) on 8 x 80 GB: 229 GB of trainer state per
+    GPU in the train phase, and its 61.1 GB of params crowd every engine out of the sync phase."""
+    p = _plan("qwen3-30b-a3b", "trainer.tp=1", "trainer.ep=1", "trainer.stream=true")
     assert not p.fits
     print("\n".join(p.problems))
     train = next(m for m in p.problems if m.startswith("train phase"))
-    assert train.startswith("train phase needs 226.83 GB > 80.00 GB: activations 6.22 GB + log-prob buffers 13.07 GB "
-                            "+ trainer state 206.09 GB; fix: trainer.ep=8 with trainer.stream=false (trainer state "
-                            "53.89 GB)")
-    assert train.endswith("or the layout trainer.tp=1 trainer.pp=1 trainer.ep=8 with trainer.stream=false, which fits")
-    assert any("in the sync phase" in m and "a higher trainer.tp, trainer.ep or trainer.pp" in m for m in p.problems)
+    assert train.startswith("train phase needs 250.44 GB > 80.00 GB: activations 6.22 GB + log-prob buffers 13.07 GB "
+                            "+ trainer state 228.99 GB; fix: trainer.ep=8 with trainer.stream=false (trainer state "
+                            "76.79 GB, not enough alone)")
+    assert train.endswith("or the layout trainer.tp=4 trainer.pp=1 trainer.ep=2 with trainer.stream=false, which fits")
+    sync = [m for m in p.problems if "in the sync phase" in m]
+    assert len(sync) == 2 and all("trainer params 61.06 GB" in m and "a higher trainer.tp, trainer.ep or trainer.pp"
+                                  in m for m in sync)
     with pytest.raises(ConfigError, match=r"qwen3-30b-a3b.yaml: the memory plan does not fit 80.00 GB per GPU: .*"
-                                          r"train phase needs .*trainer.ep=8.*trainer.tp=1 trainer.pp=1 trainer.ep=8"):
-        plan.check_memory(_shipped("qwen3-30b-a3b", "trainer.ep=1"), 16)
-    # one node: no layout fits, tp > 1 included, and the plan says why: the trainer state's floor beside the
-    # lightest engine in the sync phase; four GPUs cannot hold 18 bytes per parameter of 30.5e9 in any layout
-    (one,) = [m for m in _plan_on("qwen3-30b-a3b", 8).problems if m.startswith("train phase")]
-    assert one.startswith("train phase needs 97.52 GB") and one.endswith(
-        "no trainer.tp/pp/ep layout fits with the rest as it is, nor can one: in the sync phase the trainer state "
-        "(bf16 weights, fp32 grads, fp32 main weights and Adam moments, 18 bytes per parameter, are 68.70 GB per GPU "
-        "over 8 GPUs at best) sits beside the engine weights (TP 4, the lightest built: 15.29 GB), the weight push "
-        "(1.87 GB) and the CUDA contexts (1.44 GB): 87.29 GB > 80.00 GB: more GPUs")
-    (four,) = [m for m in _plan_on("qwen3-30b-a3b", 4, "trainer.ep=4").problems if m.startswith("train phase")]
+                                          r"train phase needs .*trainer.ep=8.*trainer.tp=4 trainer.pp=1 trainer.ep=2"):
+        plan.check_memory(_shipped("qwen3-30b-a3b", "trainer.tp=1", "trainer.ep=1"), 8)
+    # where no layout can fit, the plan says why: four GPUs cannot hold 18 bytes per parameter of 30.5e9 in the
+    # train phase; on 32 GPUs of 20 GB that floor (17.2 GB) would fit, but not the sync phase's: the params'
+    # 2 bytes per parameter beside the lightest engine's weights, the weight push and the CUDA contexts
+    (four,) = [m for m in _plan_on("qwen3-30b-a3b", 4, "trainer.tp=1", "trainer.ep=4").problems
+               if m.startswith("train phase")]
     assert four.endswith("are 137.39 GB per GPU over 4 GPUs at best: more GPUs")
+    small = _shipped("qwen3-30b-a3b", "rollout.mem_fraction_static=0.9", "rollout.tp=4", "scheduler.planner.min_tp=4",
+                     "scheduler.planner.short_tp=4")
+    (small_train,) = [m for m in plan.plan_memory(small, MOE, world_size=32, device_bytes=int(20e9)).problems
+                      if m.startswith("train phase")]
+    assert small_train.endswith(
+        "no trainer.tp/pp/ep layout fits with the rest as it is, nor can one: in the sync phase the trainer params "
+        "(bf16 weights, 2 bytes per parameter, are 1.91 GB per GPU over 32 GPUs at best) sit beside the engine weights "
+        "(TP 4, the lightest built: 15.29 GB), the weight push (1.87 GB) and the CUDA contexts (1.44 GB): 20.50 GB > "
+        "20.00 GB: more GPUs")
 
 
 def _plan_on(name: str, world: int, *overrides: str) -> plan.MemoryPlan:
@@ -493,7 +510,55 @@ def _plan_on(name: str, world: int, *overrides: str) -> plan.MemoryPlan:
     return plan.plan_memory(cfg, plan.resolve_spec(cfg)[0], world_size=world, device_bytes=DEVICE)
 
 
-def test_qwen3_30b_a3b_fits_two_nodes_and_no_layout_fits_one(no_cuda, tmp_path):
+def _totals(p: plan.MemoryPlan) -> list[str]:
+    return [plan_sizes.gb(p.total(phase)) for phase in plan.PHASES]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_WORLD))
+def test_sync_phase_holds_the_trainer_params_alone(name):
+    """The phase machine offloads the optimizer's state and frees the grads on TRAIN -> SYNC (the params stay for
+    the weight push; SYNC -> ROLLOUT offloads them): in the sync phase a GPU holds the trainer's params, the awake
+    engine set's weights, the weight push buffers and the CUDA contexts, never the optimizer shard."""
+    from types import SimpleNamespace
+
+    from rollpacker.memory_phases import Phase, PhaseMachine
+    calls = []
+    trainer = SimpleNamespace(**{m: (lambda m=m: calls.append(m)) for m in ("offload_optimizer", "offload", "onload")})
+    machine = PhaseMachine(trainer, lambda: [], SimpleNamespace(record=lambda *args: None))
+    machine.to(Phase.SYNC)
+    assert calls == ["offload_optimizer"]
+    machine.to(Phase.ROLLOUT)
+    assert calls == ["offload_optimizer", "offload"]
+
+    p = _plan(name)
+    item = {prefix: next(i for i in p.items if i.name.startswith(prefix))
+            for prefix in ("trainer params", "trainer grads", "optimizer shard", "engine weights", "weight push",
+                           "CUDA contexts")}
+    assert item["trainer params"].where == (plan.HOST, plan.GPU, plan.GPU)
+    assert item["trainer grads"].where == (plan.FREED, plan.FREED, plan.GPU)
+    assert item["optimizer shard"].where == (plan.HOST, plan.HOST, plan.GPU)
+    assert p.total("sync") == sum(item[k].nbytes for k in ("trainer params", "engine weights", "weight push",
+                                                           "CUDA contexts"))
+    # every engine set beside the same params: the largest of any pipeline stage's
+    cfg, spec = _shipped(name), plan.resolve_spec(_shipped(name))[0]
+    t = cfg.trainer
+    dp_cp = PUBLISHED_WORLD[name] // (t.tp * t.pp * t.cp) * t.cp
+    params = max(plan_sizes.trainer_state(spec, tp=t.tp, pp=t.pp, stage=k, dp_cp=dp_cp, dtype=t.params_dtype,
+                                          ep=t.ep).params for k in range(t.pp))
+    assert params == item["trainer params"].nbytes
+    for e in p.engines:
+        assert e.sync_total == params + e.weights + item["weight push"].nbytes + item["CUDA contexts"].nbytes
+    assert p.engines[0].sync_total == p.total("sync")
+    # the grads and the optimizer shard are the train phase's alone, beside its activations and log-prob buffers
+    train_only = sum(i.nbytes for i in p.items if i.counted and i.where == (plan.ABSENT, plan.ABSENT, plan.GPU))
+    assert p.total("train") - p.total("sync") == (item["trainer grads"].nbytes + item["optimizer shard"].nbytes
+                                                  + train_only - item["engine weights"].nbytes
+                                                  - item["weight push"].nbytes)
+
+
+def test_qwen3_30b_a3b_fits_one_node(no_cuda, tmp_path):
+    """With the trainer's params alone in the sync phase, the train phase decides the layout on one node of
+    8 x 80 GB: tp 4 (its log-prob buffers and, under sequence parallelism, activations a quarter of tp 1's)."""
     p = _plan("qwen3-30b-a3b")
     print(p.render())
     assert p.fits
@@ -501,31 +566,25 @@ def test_qwen3_30b_a3b_fits_two_nodes_and_no_layout_fits_one(no_cuda, tmp_path):
     model = tmp_path / "Qwen3-30b-a3b"  # the layout checks that read the model: heads, experts, sparse layers
     model.mkdir()
     (model / "config.json").write_text((plan.SHAPES_DIR / "qwen3-30b-a3b.json").read_text())
-    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}"), 16, require_files=False)
-    # the alternative the config names, tp 2 with ep 4, is accepted and fits too, with more room
-    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}", "trainer.tp=2", "trainer.ep=4"), 16,
+    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}"), 8, require_files=False)
+    assert (cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.ep, cfg.trainer.stream, cfg.rollout.tp) == (4, 1, 2, False, 2)
+    planner = cfg.scheduler.planner
+    assert (planner.short_tp, planner.long_tp, planner.min_tp, planner.max_tp) == (2, 4, 2, 4)
+    assert _totals(p) == ["58.16", "42.61", "77.38"]
+    assert [e.tp for e in p.engines] == [2, 4]
+    assert p.header[-1].endswith("trainer ep 2: 64 experts per GPU, each split over tp 4, expert data parallel 1, "
+                                 "65.23 GB of the trainer state; sequence parallel over tp")
+    # the alternative the config names, with a pipeline, is accepted and fits too
+    check_layout(_shipped("qwen3-30b-a3b", f"model.path={model}", "trainer.pp=2", "trainer.ep=1"), 8,
                  require_files=False)
-    tp2 = _plan("qwen3-30b-a3b", "trainer.tp=2", "trainer.ep=4")
-    assert tp2.fits and [plan_sizes.gb(tp2.total(phase)) for phase in plan.PHASES] == ["57.44", "67.91", "60.69"]
-    assert tp2.header[-1].endswith("each split over tp 2, expert data parallel 2, 43.49 GB of the trainer state; "
-                                   "sequence parallel over tp")
-    assert (cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.ep, cfg.trainer.stream, cfg.rollout.tp) == (1, 1, 8, False, 4)
-    assert [plan_sizes.gb(p.total(phase)) for phase in plan.PHASES] == ["57.44", "72.48", "74.62"]
-    assert [e.tp for e in p.engines] == [4]
-    assert p.header[-1].endswith("trainer ep 8: 16 experts per GPU, each split over tp 1, expert data parallel 2, "
-                                 "43.49 GB of the trainer state")
-    # the least split layout that fits 16 GPUs, then others with tp > 1 (searched over the tps dividing the heads,
-    # KV heads and expert width); none fits 8, whatever tp and engines
-    layouts = plan.fitting_layouts(cfg, MOE, world_size=16, device_bytes=DEVICE)
-    assert layouts[0] == (1, 1, 8, None) and (2, 1, 4, None) in layouts and (4, 1, 2, None) in layouts
-    assert {tp for tp, *_ in layouts} == {1, 2, 4}  # 8 does not divide the 4 KV heads
-    one_node = _shipped("qwen3-30b-a3b", "scheduler.planner.min_tp=1", "rollout.tp=1", "scheduler.planner.short_tp=1",
-                        "scheduler.planner.long_tp=1")
-    assert plan.fitting_layouts(one_node, MOE, world_size=8, device_bytes=DEVICE) == []
-    # the closest one-node layouts (docs/gpu.md, the config's comment): the train phase fits at tp 4, sync does not
-    closest = {layout: [plan_sizes.gb(_plan_on("qwen3-30b-a3b", 8, *(f"trainer.{key}={n}" for key, n in
-                                                                    zip(("tp", "pp", "ep"), layout))).total(phase))
-                        for phase in plan.PHASES] for layout in ((4, 2, 1), (4, 1, 2), (1, 1, 8))}
-    assert closest == {(4, 2, 1): ["57.44", "87.38", "75.05"], (4, 1, 2): ["57.44", "88.56", "76.66"],
-                       (1, 1, 8): ["57.44", "95.38", "97.52"]}
-    assert plan.PUBLISHED_NODES["qwen3-30b-a3b"] == 2
+    assert _totals(_plan("qwen3-30b-a3b", "trainer.pp=2", "trainer.ep=1")) == ["58.16", "42.21", "75.77"]
+    # the least split layout that fits one node, the config's; tp 1 and 2 fit the sync phase but not train
+    # (docs/gpu.md, the config's comment); TP-4 engines alone leave 0.72 GB more in every phase
+    assert plan.fitting_layouts(cfg, MOE, world_size=8, device_bytes=DEVICE) == [(4, 1, 2, None), (4, 2, 1, None)]
+    closest = {layout: _totals(_plan("qwen3-30b-a3b", *(f"trainer.{key}={n}" for key, n in
+                                                        zip(("tp", "pp", "ep"), layout))))
+               for layout in ((1, 1, 8), (2, 1, 4))}
+    assert closest == {(1, 1, 8): ["58.16", "44.90", "98.24"], (2, 1, 4): ["58.16", "43.37", "84.32"]}
+    assert _totals(_plan("qwen3-30b-a3b", "rollout.tp=4", "scheduler.planner.min_tp=4",
+                         "scheduler.planner.short_tp=4")) == ["57.44", "26.63", "76.66"]
+    assert plan.PUBLISHED_NODES["qwen3-30b-a3b"] == 1
