@@ -39,12 +39,15 @@ def _replays(model: torch.nn.Module) -> list[tuple[int, RouterReplay]]:
 def replayed(model: torch.nn.Module, routing: torch.Tensor | None) -> Iterator[None]:
     """Within: the routers of ``model`` replay ``routing`` ([batch, sequence, sparse layers, k], the
     micro-batch's token grid) in forward; None: they route themselves."""
-    replays = _replays(model) if routing is not None else []
+    if routing is None:
+        yield
+        return
+    replays = _replays(model)
     # Megatron's hidden states are sequence-first: the router sees tokens in (position, row) order,
     # under sequence parallelism this TP rank's share of the positions
-    by_token = routing.transpose(0, 1) if routing is not None else None
+    by_token = routing.transpose(0, 1)
     mcore = unwrap(model)
-    if by_token is not None and mcore.config.sequence_parallel:
+    if mcore.config.sequence_parallel:
         tp = mcore.pg_collection.tp
         by_token = by_token.chunk(tp.size())[tp.rank()]
     for index, replay in replays:

@@ -313,7 +313,7 @@ def iter_hf_tensors(model: torch.nn.Module, layout: ParallelLayout) -> Iterator[
                 yield name, tensor
 
 
-def _expert_names(spec: ModelSpec, layer: int, expert: int) -> list[str]:
+def _expert_names(layer: int, expert: int) -> list[str]:
     p = f"model.layers.{layer}.mlp.experts.{expert}."
     return [p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"]
 
@@ -330,7 +330,7 @@ def _stage_names(local: list[_Binding], spec: ModelSpec) -> list[str]:
             names += [n for b in group for n in b.hf_names]
             continue
         layer = _layer_of(next(group))
-        names += [n for e in range(spec.num_experts) for n in _expert_names(spec, layer, e)]
+        names += [n for e in range(spec.num_experts) for n in _expert_names(layer, e)]
     return names
 
 
@@ -348,13 +348,14 @@ def _stage_tensors(local: list[_Binding], model: QwenModel, layout: ParallelLayo
         held = {b.expert: [] for b in mine}
         for b in mine:
             held[b.expert].append(b)
-        shapes = spec.hf_shapes()
+        h, i = spec.hidden_size, spec.moe_intermediate_size
         for e in range(spec.num_experts):
-            names = _expert_names(spec, layer, e)
+            names = _expert_names(layer, e)
             if e in held:
                 tensors = [t for b in held[e] for t in _gather_tp(b, layout.tp_group, spec)]
-            else:
-                tensors = [torch.empty(shapes[n], dtype=model.config.params_dtype, device=layout.device) for n in names]
+            else:  # another EP rank's: gate, up [i, h], down [h, i]
+                tensors = [torch.empty(shape, dtype=model.config.params_dtype, device=layout.device)
+                           for shape in ((i, h), (i, h), (h, i))]
             if layout.ep > 1:
                 owner = dist.get_global_rank(layout.ep_group, e // per_rank)
                 for t in tensors:

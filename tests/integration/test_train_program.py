@@ -255,22 +255,29 @@ def test_long_round_hands_an_engine_to_the_stream_trainer(stream_run):
     assert rows[5]["sync/max_abs_diff"] == 0.0 and rows[4]["train/skipped"] == 0
 
 
+def _random_policy(tmp_path: Path, family: str) -> Path:
+    """A random checkpoint of ``family`` (testkit's defaults; Qwen3-MoE: 8 experts, top-2, a dense
+    middle layer) over the shipped vocabulary, with the shipped tokenizer."""
+    import shutil
+
+    from testkit import make_random_checkpoint
+
+    policy = make_random_checkpoint(tmp_path / family, family, seed=5, vocab_size=json.loads(
+        (POLICY / "config.json").read_text())["vocab_size"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(POLICY / name, policy / name)
+    return policy
+
+
 def test_a_random_qwen3_policy_trains_syncs_and_exports(tmp_path):
     """The program on a Qwen3 checkpoint (q/k norms, head_dim 32 != 64 / 4 heads), with the shipped
     tokenizer: it runs, the engines hold the trainer's weights after every sync, and the HF export
     loads as Qwen3ForCausalLM. The random policy earns no reward; that is not the check."""
-    import shutil
-
     import torch
     from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM
 
-    from testkit import make_random_qwen3
-
-    policy = make_random_qwen3(tmp_path / "qwen3", seed=5, vocab_size=json.loads(
-        (POLICY / "config.json").read_text())["vocab_size"])
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(POLICY / name, policy / name)
+    policy = _random_policy(tmp_path, "qwen3")
     run_dir = tmp_path / "runs" / "qwen3"
     # Zero rewards give zero advantages and zero gradients: weight decay still moves the weights, so
     # each sync pushes weights that differ from the engines' and the export differs from the start.
@@ -336,26 +343,13 @@ def test_a_run_is_reproducible_from_its_config_and_seed_whatever_the_timing(tmp_
     assert a.keys() == b.keys() and not differ, f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[:3]}"
 
 
-def _moe_policy(tmp_path: Path) -> Path:
-    """A random Qwen3-MoE (8 experts, top-2, a dense middle layer) with the shipped tokenizer."""
-    import shutil
-
-    from testkit import make_random_qwen3_moe
-
-    policy = make_random_qwen3_moe(tmp_path / "qwen3_moe", seed=5, vocab_size=json.loads(
-        (POLICY / "config.json").read_text())["vocab_size"])
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(POLICY / name, policy / name)
-    return policy
-
-
 def test_a_qwen3_moe_policy_trains_over_tp_with_routing_replay(tmp_path):
     """trainer.tp=2 on a MoE model (sequence parallelism: each TP rank routes its share of the
     positions) with routing replay: every response token's trainer log-prob goes through the
     engine's experts, so the fp32 gap stays at rounding (replaying another rank's share of the
     routing, or other experts, moves log-probs by ~1e-2: tests/unit/test_moe.py)."""
     run_dir = tmp_path / "runs" / "tp2"
-    _train(run_dir, f"model.path={_moe_policy(tmp_path)}", "run.steps=2", "run.save_every=0", "trainer.tp=2",
+    _train(run_dir, f"model.path={_random_policy(tmp_path, 'qwen3_moe')}", "run.steps=2", "run.save_every=0", "trainer.tp=2",
            "rollout.return_routing=true", "trainer.routing_replay=true", "rollout.max_response_length=64")
     rows = _metrics(run_dir)
     print([(r["step"], r["train/logprob_mismatch_max"], r["train/grad_norm"]) for r in rows])
@@ -373,7 +367,7 @@ def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_ex
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    policy = _moe_policy(tmp_path)
+    policy = _random_policy(tmp_path, "qwen3_moe")
     common = [f"model.path={policy}", "run.save_every=2", "run.keep_checkpoints=10", "run.verify_sync=true",
               "scheduler.planner.profile=[]", "rollout.max_response_length=64", "trainer.ep=2", "trainer.stream=false"]
     _train(tmp_path / "through", "run.steps=5", *common)
