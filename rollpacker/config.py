@@ -115,6 +115,17 @@ def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None
         spec.check_ep(cfg.trainer.ep)
     except ValueError as exc:
         raise ConfigError(f"{cfg.source}: model.path {hf}: {exc} (trainer.ep)") from None
+    planner = cfg.scheduler.planner
+    for layout in planner.layout_choices(world_size, cfg.rollout.tp, cfg.rollout.ep):
+        problem = (f"the model has no experts to split ({hf_cfg.get('model_type')})" if not spec.is_moe else
+                   f"EP {layout.ep} does not divide the {spec.num_experts} experts"
+                   if spec.num_experts % layout.ep else
+                   f"the {layout.tp // layout.ep} ranks sharing an expert do not divide its intermediate size "
+                   f"{spec.moe_intermediate_size}" if spec.moe_intermediate_size % (layout.tp // layout.ep) else None)
+        if problem and (layout.ep > 1 or spec.is_moe):
+            raise ConfigError(f"{cfg.source}: rollout engines of {layout} (rollout.tp/ep, scheduler.planner.*_tp, "
+                              f"*_ep, max_tp, profile): {problem} (model.path {hf}); choose sizes whose EP divides the "
+                              f"experts and whose TP/EP divides the experts' intermediate size (EP 1 on a dense model)")
     if spec.is_moe and cfg.rollout.backend == "sglang" and len(spec.moe_layers) != spec.num_layers:
         # sglang (0.5.17 and 0.5.23) builds every Qwen3-MoE layer sparse (models/qwen3_moe.py:
         # stage_facts's is_layer_sparse = True) and skips the dense layers' weights without a word
@@ -125,9 +136,7 @@ def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None
     if t.routing_replay:
         problem = ("the model has no experts" if not spec.is_moe else
                    "the engine must report its routing: set rollout.return_routing=true" if not cfg.rollout.return_routing
-                   else "the SGLang backend does not report routing yet: use rollout.backend=reference"
-                   if cfg.rollout.backend == "sglang" else
-                   "a recomputed forward would replay another micro-batch's routing: set trainer.recompute=false"
+                   else "a recomputed forward would replay another micro-batch's routing: set trainer.recompute=false"
                    if t.recompute else "context parallelism splits the tokens the routing names: set trainer.cp=1"
                    if t.cp > 1 else None)
         if problem:

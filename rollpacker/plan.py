@@ -121,7 +121,8 @@ class MemoryPlan:
             lines.append(row(item.name, cells if item.counted else [f"({c})" if c != ABSENT else c for c in cells]))
         lines.append(row("total", [gb(self.total(p)) for p in PHASES]))
         lines.append(row("left", [gb(self.left(p)) for p in PHASES]))
-        lines += ["", "rollout engines (one set awake at a time; every rank builds one engine of each TP):",
+        lines += ["", "rollout engines (one set awake at a time; every rank builds one engine of each layout; "
+                      "weights per GPU are the TP's at any EP):",
                   f"{'TP':>4}{'weights':>10}{'KV/token':>11}{'KV pool':>10}{'KV tokens/engine':>18}"
                   f"{'sync total':>12}  fits"]
         for e in self.engines:
@@ -162,7 +163,10 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
 
     tps = planner.tp_choices(world_size, ro.tp)
     if ro.backend == "sglang":  # bf16 engines in processes of their own; static budget of the whole GPU
-        dtype_bytes, contexts = BF16, (1 + len(tps)) * CUDA_CONTEXT_BYTES
+        # a process per engine set, one set per layout (an EP size at a TP adds one; its weights per GPU
+        # are those of the TP: the experts split over the same ranks)
+        sets = len(planner.layout_choices(world_size, ro.tp, ro.ep))
+        dtype_bytes, contexts = BF16, (1 + sets) * CUDA_CONTEXT_BYTES
         static_name = f"rollout.mem_fraction_static x device = {gb(ro.mem_fraction_static * device_bytes)} GB"
     else:  # the reference engine: fp32, in the trainer's process, a fixed KV budget per engine
         dtype_bytes, contexts = FP32, CUDA_CONTEXT_BYTES
@@ -239,7 +243,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
         f"trainer: tp {t.tp}, pp {t.pp}, cp {t.cp}, dp {dp}, {dtype} params; {tokens} tokens per micro-batch "
         f"per GPU = max(trainer.micro_batch_tokens {t.micro_batch_tokens}, longest sequence {longest}) / cp "
         f"{t.cp}; recompute {'on' if t.recompute else 'off'}; worst pipeline stage {train.stage} of {t.pp}",
-        f"rollout: {ro.backend}, engine sets for TP {', '.join(map(str, tps))}; static per GPU: {static_name}",
+        f"rollout: {ro.backend}, engine sets for {', '.join(map(str, planner.layout_choices(world_size, ro.tp, ro.ep)))}; "
+        f"static per GPU: {static_name}",
         # mixture of experts: below the lines a dense model has, which keep their places
         *((f"experts: {len(spec.moe_layers)} sparse layers of {spec.num_experts} experts (ffn "
            f"{spec.moe_intermediate_size}), top {spec.experts_per_token}: {expert_param_count(spec) / 1e9:.2f}e9 "

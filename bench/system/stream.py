@@ -80,6 +80,7 @@ from rollpacker.runtime.world import World  # noqa: E402
 from rollpacker.sample import Prompt, Sample  # noqa: E402
 from rollpacker.scheduler import Scheduler  # noqa: E402
 from rollpacker.scheduler.config import PlannerConfig, SchedulerConfig  # noqa: E402
+from rollpacker.scheduler.round import EngineLayout  # noqa: E402
 from testkit import make_random_qwen2, run_torchrun  # noqa: E402
 from rollpacker.trainer.config import TrainerConfig  # noqa: E402
 from rollpacker.trainer.trainer import Trainer  # noqa: E402
@@ -206,7 +207,7 @@ def worker(args) -> None:
               else synthetic_round(args.prompts, args.responses, args.seed))
     rollout_cfg = RolloutConfig(max_response_length=round_.max_tokens, kv_cache_tokens=1 << 16,
                                 max_running_requests=1024, seed=args.seed)
-    engines = EngineSets(world, rollout_cfg, args.model, [1])
+    engines = EngineSets(world, rollout_cfg, args.model, [EngineLayout(1)])
     if round_.lengths is not None:
         engines.engines[1] = ForcedLengths(engines.engines[1], round_.lengths)
     cfg = TrainerConfig(lr=1e-4, params_dtype="fp32", micro_batch_tokens=2048)

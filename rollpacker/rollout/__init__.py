@@ -16,8 +16,9 @@ _SGLANG_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
 
 def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.ProcessGroup | None = None,
                 engine_id: int = 0, device: str = "cpu", sglang_host: Callable | None = None,
-                window: int | None = None) -> RolloutEngine:
-    """Build the engine ``cfg.backend`` names, on every rank of ``group`` (None: this rank alone).
+                window: int | None = None, ep: int = 1) -> RolloutEngine:
+    """Build the engine ``cfg.backend`` names, on every rank of ``group`` (None: this rank alone), a MoE
+    model's experts split into ``ep`` blocks over the group's ranks.
 
     ``window``: the run's longest sequence (prompt + response), which ``cfg.match_trainer`` computes at.
 
@@ -35,11 +36,11 @@ def make_engine(cfg: RolloutConfig, model_dir: str | Path, *, group: dist.Proces
 
         from rollpacker.rollout.reference import ReferenceEngine
         engine = ReferenceEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device,
-                                 dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+                                 dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32, ep=ep)
     elif cfg.backend == "sglang":
         from rollpacker.rollout.sglang_backend import SGLangEngine
         engine = SGLangEngine(model_dir, cfg, group=group, engine_id=engine_id, device=device, host=sglang_host,
-                              dtype=_SGLANG_DTYPES[cfg.dtype])
+                              dtype=_SGLANG_DTYPES[cfg.dtype], ep=ep)
     else:
         raise ValueError(f"unknown rollout backend {cfg.backend!r}; choose 'reference' or 'sglang'")
     if cfg.length_replay.enabled:

@@ -9,12 +9,14 @@ from rollpacker.configlib import ConfigError
 
 # SGLang engine ports (``sglang_args.engine_ports``): each engine led by a node-local rank gets a
 # block of SGLANG_PORT_BLOCK ports (sglang binds ``port`` and ``nccl_port = port + 1``), one block per
-# TP size 1, 2, 4, ... 2**(SGLANG_TP_SLOTS - 1) per local rank, so a node's engines use
+# layout per local rank: TP size 1, 2, 4, ... 2**(SGLANG_MAX_TP_BITS - 1), each with every EP size
+# dividing it (SGLANG_LAYOUT_SLOTS in all), so a node's engines use
 # [sglang_base_port, sglang_base_port + SGLANG_PORT_SPAN).
 SGLANG_PORT_BLOCK = 16
-SGLANG_TP_SLOTS = 5
+SGLANG_MAX_TP_BITS = 5
+SGLANG_LAYOUT_SLOTS = SGLANG_MAX_TP_BITS * (SGLANG_MAX_TP_BITS + 1) // 2
 SGLANG_MAX_LOCAL_RANKS = 16
-SGLANG_PORT_SPAN = SGLANG_PORT_BLOCK * SGLANG_TP_SLOTS * SGLANG_MAX_LOCAL_RANKS
+SGLANG_PORT_SPAN = SGLANG_PORT_BLOCK * SGLANG_LAYOUT_SLOTS * SGLANG_MAX_LOCAL_RANKS
 # launch/train.sh puts the torchrun rendezvous (MASTER_PORT) in [20000, 29000): engines stay out of it.
 RENDEZVOUS_PORTS = range(20000, 29000)
 
@@ -42,6 +44,9 @@ class ReplayConfig:
 class RolloutConfig:
     backend: Literal["reference", "sglang"] = "reference"
     tp: int = 1  # starting rollout TP size; the planner may change it per round
+    # a MoE model's experts in this many blocks over an engine's ranks while the planner is off
+    # (scheduler.planner.short_ep / long_ep otherwise); divides tp
+    ep: int = 1
     max_response_length: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -86,8 +91,11 @@ class RolloutConfig:
         return self.backend == "reference" or self.sglang_deterministic_inference
 
     def validate(self) -> None:
-        if self.tp < 1 or self.tp & (self.tp - 1):
-            raise ConfigError(f"tp must be a power of two >= 1, got {self.tp}")
+        for key in ("tp", "ep"):
+            if getattr(self, key) < 1 or getattr(self, key) & (getattr(self, key) - 1):
+                raise ConfigError(f"{key} must be a power of two >= 1, got {getattr(self, key)}")
+        if self.ep > self.tp:
+            raise ConfigError(f"ep={self.ep} must divide tp={self.tp}: an engine's experts are split over its ranks")
         if self.max_response_length < 1:
             raise ConfigError(f"max_response_length must be >= 1, got {self.max_response_length}")
         if self.temperature < 0:

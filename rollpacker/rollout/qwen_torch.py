@@ -10,9 +10,13 @@ with no gather), as are Qwen3's per-head q/k norms. Every rank holds the KV of
 its own heads only.
 
 Qwen3-MoE's sparse layers keep the router (``mlp.gate``) replicated, so every rank
-routes every token alike, and shard each expert exactly as the dense MLP (gate/up
-column-, down row-parallel): a rank computes its slice of every chosen expert and the
-one all-reduce after the MLP sums the slices. Routing follows transformers: softmax in
+routes every token alike. Expert parallelism (``ep_size``, dividing the TP size) splits
+the experts into ``ep_size`` equal blocks of whole experts, one per run of ``tp_size /
+ep_size`` ranks, and shards each expert over its run exactly as the dense MLP (gate/up
+column-, down row-parallel); ``ep_size`` 1 shards every expert over every rank. A rank
+computes its slice of each chosen expert it holds, and the one all-reduce after the MLP
+over the whole TP group sums the slices, so both layouts need no other collective and
+give the same output (up to the order of the sum). Routing follows transformers: softmax in
 float32, top-k, optionally renormalised; the tokens of each expert are gathered and
 run as one batch, and their weighted outputs added back in ascending expert order. ``forward`` hands
 the chosen experts back on request (``RolloutConfig.return_routing``: the trainer replays them).
@@ -45,11 +49,14 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 @dataclass(frozen=True)
 class _Target:
     """Where one HF tensor goes: local parameter (``index``: its entry along dim 0, an expert), row offset
-    in it, and the split dim (None: replicated)."""
-    local: str
+    in it, the split dim (None: replicated) and, for an expert, its shard among ``of`` shards (the
+    ranks that share it); ``local`` None: another rank's expert, not kept here."""
+    local: str | None
     offset: int = 0
     split_dim: int | None = None
     index: int | None = None
+    shard: int = 0
+    of: int | None = None  # None: the TP rank among the TP size
 
 
 @dataclass
@@ -114,21 +121,28 @@ class PagedKV:
 class QwenTP:
     """One tensor-parallel shard of a Qwen2/Qwen3/Qwen3-MoE model (the whole model when ``tp_size == 1``)."""
 
-    def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, spec: ModelSpec, *, tp_rank: int = 0, tp_size: int = 1, ep_size: int = 1,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         if spec.num_heads % tp_size or spec.num_kv_heads % tp_size or spec.intermediate_size % tp_size:
             raise ValueError(f"TP size {tp_size} must divide the attention heads ({spec.num_heads}), KV heads "
                              f"({spec.num_kv_heads}) and intermediate size ({spec.intermediate_size})")
-        if spec.moe_intermediate_size % tp_size:
-            raise ValueError(f"TP size {tp_size} must divide the experts' intermediate size "
-                             f"({spec.moe_intermediate_size})")
+        if ep_size > 1 and (not spec.moe_layers or tp_size % ep_size or spec.num_experts % ep_size):
+            raise ValueError(f"expert-parallel size {ep_size} needs a MoE model whose experts "
+                             f"({spec.num_experts}) it divides, and must divide the TP size {tp_size}")
+        expert_tp = tp_size // ep_size  # the ranks that share one expert
+        if spec.moe_intermediate_size % expert_tp:
+            raise ValueError(f"TP size {tp_size} / expert-parallel size {ep_size} must divide the experts' "
+                             f"intermediate size ({spec.moe_intermediate_size})")
         self.spec, self.tp_rank, self.tp_size, self.group = spec, tp_rank, tp_size, group
+        self.expert_shard, self.expert_tp = tp_rank % expert_tp, expert_tp
+        local_experts = spec.num_experts // ep_size
+        self.experts = range(tp_rank // expert_tp * local_experts, (tp_rank // expert_tp + 1) * local_experts)
         self.dtype, self.device = dtype, torch.device(device)
         self.heads = spec.num_heads // tp_size
         self.kv_heads = spec.num_kv_heads // tp_size
         self.ffn = spec.intermediate_size // tp_size
-        self.moe_ffn = spec.moe_intermediate_size // tp_size
+        self.moe_ffn = spec.moe_intermediate_size // expert_tp
         self._shapes, self._targets = self._layout()
         self.params: dict[str, torch.Tensor] = {}
         inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim)
@@ -177,15 +191,21 @@ class QwenTP:
                             hf + "up_proj.weight": _Target(p + "gate_up", self.ffn, 0),
                             hf + "down_proj.weight": _Target(p + "down", 0, 1)})
             return
-        n, f = s.num_experts, self.moe_ffn
-        shapes.update({p + "router": (n, s.hidden_size), p + "experts_gate_up": (n, 2 * f, s.hidden_size),
-                       p + "experts_down": (n, s.hidden_size, f)})
+        n, f, mine = s.num_experts, self.moe_ffn, self.experts
+        shapes.update({p + "router": (n, s.hidden_size), p + "experts_gate_up": (len(mine), 2 * f, s.hidden_size),
+                       p + "experts_down": (len(mine), s.hidden_size, f)})
         targets[hf + "gate.weight"] = _Target(p + "router")
+        shard = dict(shard=self.expert_shard, of=self.expert_tp)
         for e in range(n):
             ex = f"{hf}experts.{e}."
-            targets.update({ex + "gate_proj.weight": _Target(p + "experts_gate_up", 0, 0, e),
-                            ex + "up_proj.weight": _Target(p + "experts_gate_up", f, 0, e),
-                            ex + "down_proj.weight": _Target(p + "experts_down", 0, 1, e)})
+            if e not in mine:
+                targets.update({ex + w: _Target(None) for w in ("gate_proj.weight", "up_proj.weight",
+                                                                 "down_proj.weight")})
+                continue
+            k = e - mine.start
+            targets.update({ex + "gate_proj.weight": _Target(p + "experts_gate_up", 0, 0, k, **shard),
+                            ex + "up_proj.weight": _Target(p + "experts_gate_up", f, 0, k, **shard),
+                            ex + "down_proj.weight": _Target(p + "experts_down", 0, 1, k, **shard)})
 
     def hf_names(self) -> list[str]:
         """The HF names a full load must provide (``lm_head.weight`` is optional when tied)."""
@@ -205,16 +225,20 @@ class QwenTP:
     def release(self) -> None:
         self.params = {}
 
-    def _slot(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(where this rank keeps its shard of the full HF tensor ``name``, that shard)."""
+    def _slot(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(where this rank keeps its shard of the full HF tensor ``name``, that shard); None for
+        another rank's expert."""
         target = self._targets.get(name)
         if target is None:
             raise KeyError(f"unknown {self.spec.model_type} weight name {name!r}")
+        if target.local is None:
+            return None
         if target.split_dim is not None:
-            if tensor.shape[target.split_dim] % self.tp_size:
+            shard, of = (self.tp_rank, self.tp_size) if target.of is None else (target.shard, target.of)
+            if tensor.shape[target.split_dim] % of:
                 raise ValueError(f"{name}: dim {target.split_dim} of shape {tuple(tensor.shape)} "
-                                 f"is not divisible by TP size {self.tp_size}")
-            tensor = tensor.chunk(self.tp_size, target.split_dim)[self.tp_rank]
+                                 f"is not divisible into {of} shards")
+            tensor = tensor.chunk(of, target.split_dim)[shard]
         dest = self.params[target.local]
         if target.index is not None:
             dest = dest[target.index]
@@ -227,14 +251,15 @@ class QwenTP:
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's shard of the full HF tensor ``name`` into place."""
-        dest, shard = self._slot(name, tensor)
-        dest.copy_(shard)
+        if (slot := self._slot(name, tensor)) is not None:
+            slot[0].copy_(slot[1])
 
     @torch.no_grad()
     def shard_diff(self, name: str, tensor: torch.Tensor) -> float:
-        """max |stored shard - this rank's shard of the full tensor ``name``|."""
-        dest, shard = self._slot(name, tensor)
-        return float((dest.float() - shard.float()).abs().max()) if shard.numel() else 0.0
+        """max |stored shard - this rank's shard of the full tensor ``name``| (0 for another rank's expert)."""
+        if (slot := self._slot(name, tensor)) is None or not slot[1].numel():
+            return 0.0
+        return float((slot[0].float() - slot[1].float()).abs().max())
 
     def load_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         seen = set()
@@ -345,12 +370,13 @@ class QwenTP:
         tokens, weights = order // s.experts_per_token, weights.flatten()[order]
         gate_up, down = p[f"{i}.experts_gate_up"], p[f"{i}.experts_down"]
         out = torch.zeros_like(h)
-        start = 0
-        for e, n in enumerate(torch.bincount(flat, minlength=s.num_experts).tolist()):  # one host sync
+        counts = torch.bincount(flat, minlength=s.num_experts).tolist()  # one host sync
+        start = sum(counts[:self.experts.start])
+        for k, n in enumerate(counts[self.experts.start:self.experts.stop]):
             if n:
                 rows = tokens[start:start + n]
-                gate, up = F.linear(h[rows], gate_up[e]).chunk(2, dim=-1)
-                out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * weights[start:start + n, None])
+                gate, up = F.linear(h[rows], gate_up[k]).chunk(2, dim=-1)
+                out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[k]) * weights[start:start + n, None])
                 start += n
         return out
 

@@ -95,7 +95,7 @@ def _padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) ->
 
 
 class ReferenceEngine(InProcessEngine):
-    """Continuous-batching Qwen2/Qwen3 engine over a paged KV budget, optionally tensor-parallel.
+    """Continuous-batching Qwen2/Qwen3/Qwen3-MoE engine over a paged KV budget, optionally tensor- and expert-parallel.
 
     ``model``: an HF Qwen2 or Qwen3 directory (``config.json`` + ``*.safetensors``), or a pair
     ``(HF config dict or ModelSpec, {HF name: full tensor})``. ``cfg``: the rollout
@@ -104,11 +104,13 @@ class ReferenceEngine(InProcessEngine):
     this process alone); every rank of the group constructs the engine; the leader
     (group rank 0) makes the request-plane calls while the others sit in
     ``serve_follower()``; control-plane calls are made by every rank (see ``RolloutEngine``).
-    ``device``: where weights and KV live; ``dtype``: parameter and KV dtype.
+    ``device``: where weights and KV live; ``dtype``: parameter and KV dtype; ``ep``: a MoE model's
+    experts split over this many blocks of the group's ranks (``QwenTP``).
     """
 
     def __init__(self, model: ModelSource, cfg: RolloutConfig, group: dist.ProcessGroup | None = None,
-                 engine_id: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+                 engine_id: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 ep: int = 1):
         cfg.validate()
         self.cfg, self.engine_id, self.group = cfg, engine_id, group
         self.tp_size = 1 if group is None else dist.get_world_size(group)
@@ -121,7 +123,7 @@ class ReferenceEngine(InProcessEngine):
             tensors = iter(model[1].items())
         self.spec = spec
         self.model = QwenTP(spec, tp_rank=0 if group is None else dist.get_rank(group), tp_size=self.tp_size,
-                             group=group, dtype=dtype, device=device)
+                             ep_size=ep, group=group, dtype=dtype, device=device)
         self.model.allocate()
         self.model.load_all(tensors)
         self.page_size = cfg.kv_page_size

@@ -34,10 +34,12 @@ SGLANG_API: dict[str, tuple[str, ...]] = {
     "Engine.__init__": ("model_path", "tp_size", "base_gpu_id", "port", "nccl_port", "enable_memory_saver",
                         "mem_fraction_static", "max_running_requests", "skip_tokenizer_init", "random_seed",
                         "sleep_on_idle", "attention_backend", "sampling_backend", "enable_deterministic_inference",
+                        "enable_return_routed_experts",
                         # a CPU engine (``sglang_args.server_args``)
                         "device", "disable_cuda_graph", "max_total_tokens", "dtype", "skip_server_warmup"),
     "Engine.get_server_info": (),
-    "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid", "stream"),
+    "Engine.async_generate": ("input_ids", "sampling_params", "return_logprob", "rid", "stream",
+                              "return_routed_experts"),
     "Engine.release_memory_occupation": ("tags",),
     "Engine.resume_memory_occupation": ("tags",),
     "Engine.update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
@@ -50,7 +52,8 @@ SESSION_API: dict[str, tuple[str, ...]] = {"Engine.begin_weight_update": (), "En
 SGLANG_ENGINE_ATTRIBUTES = ("loop", "tokenizer_manager")  # set by Engine.__init__
 SGLANG_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed",
                         "ignore_eos")
-SGLANG_OUTPUT_KEYS = ("meta_info", "finish_reason", "output_token_logprobs", "num_retractions", "completion_tokens")
+SGLANG_OUTPUT_KEYS = ("meta_info", "finish_reason", "output_token_logprobs", "num_retractions", "completion_tokens",
+                      "routed_experts")
 SGLANG_LOAD_FIELDS = ("num_running_reqs", "num_waiting_reqs", "num_used_tokens")  # LoadSnapshot (get_loads)
 SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from rollpacker.rollout.config import SGLANG_MAX_LOCAL_RANKS, SGLANG_PORT_BLOCK, SGLANG_TP_SLOTS, RolloutConfig
+from rollpacker.hf_spec import parse_spec
+from rollpacker.rollout.config import (SGLANG_LAYOUT_SLOTS, SGLANG_MAX_LOCAL_RANKS, SGLANG_MAX_TP_BITS,
+                                       SGLANG_PORT_BLOCK, RolloutConfig)
 
 # The dtype a CPU engine computes in unless the caller names one: sglang's default ("auto", the
 # checkpoint's dtype) would serve a bf16 checkpoint in bf16, which CPUs compute slowly and which
@@ -16,31 +18,37 @@ from rollpacker.rollout.config import SGLANG_MAX_LOCAL_RANKS, SGLANG_PORT_BLOCK,
 CPU_DTYPE = "float32"
 
 
-def engine_ports(base_port: int, local_rank: int, tp_size: int) -> tuple[int, int]:
-    """``(port, nccl_port)`` of the TP-``tp_size`` engine led by node-local rank ``local_rank``.
+def engine_ports(base_port: int, local_rank: int, tp_size: int, ep_size: int = 1) -> tuple[int, int]:
+    """``(port, nccl_port)`` of the TP-``tp_size``, EP-``ep_size`` engine led by node-local rank ``local_rank``.
 
-    One rank leads engines of several TP sizes (``EngineSets``), and sglang's TP-rank-0 scheduler
+    One rank leads engines of several layouts (``EngineSets``), and sglang's TP-rank-0 scheduler
     binds a TCPStore on ``nccl_port``: a port per rank alone would make the second engine's bind
-    fail, and sglang then SIGQUITs the rank. So each (local rank, TP size) pair gets its own block
+    fail, and sglang then SIGQUITs the rank. So each (local rank, TP size, EP size) gets its own block
     of ``SGLANG_PORT_BLOCK`` ports; all blocks of a node lie in ``[base, base + SGLANG_PORT_SPAN)``,
     which ``RolloutConfig.validate`` keeps clear of the rendezvous ports. Nodes do not share ports,
     so the global rank plays no part.
     """
-    if tp_size < 1 or tp_size & (tp_size - 1) or tp_size.bit_length() > SGLANG_TP_SLOTS:
-        raise ValueError(f"sglang engine TP size must be a power of two <= {1 << (SGLANG_TP_SLOTS - 1)}, "
+    if tp_size < 1 or tp_size & (tp_size - 1) or tp_size.bit_length() > SGLANG_MAX_TP_BITS:
+        raise ValueError(f"sglang engine TP size must be a power of two <= {1 << (SGLANG_MAX_TP_BITS - 1)}, "
                          f"got {tp_size}")
+    if ep_size < 1 or ep_size & (ep_size - 1) or tp_size % ep_size:
+        raise ValueError(f"sglang engine EP size must be a power of two dividing the TP size {tp_size}, got {ep_size}")
     if not 0 <= local_rank < SGLANG_MAX_LOCAL_RANKS:
         raise ValueError(f"local rank {local_rank} is outside the {SGLANG_MAX_LOCAL_RANKS} ranks per node "
                          f"that the sglang port layout provides for")
-    slot = local_rank * SGLANG_TP_SLOTS + tp_size.bit_length() - 1
+    k = tp_size.bit_length() - 1  # TP 2**k takes slots k(k+1)/2 .. k(k+1)/2 + k, one per EP 1 .. 2**k
+    slot = local_rank * SGLANG_LAYOUT_SLOTS + k * (k + 1) // 2 + ep_size.bit_length() - 1
     port = base_port + SGLANG_PORT_BLOCK * slot
     return port, port + 1
 
 
 def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, local_rank: int,
                 gpu_id: int | None = None, engine_id: int, device: str | torch.device = "cuda",
-                dtype: str | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``.
+                dtype: str | None = None, ep_size: int = 1) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` for the TP-``tp_size`` engine led by ``local_rank``, a MoE
+    model's experts split over ``ep_size`` blocks of its ranks: sglang's ``ep_size`` (with no
+    all-to-all backend the layout is ours: ``tp_size == moe_ep_size * moe_tp_size``, sglang 0.5.23
+    ``srt/runtime_context.py:303-310``, every rank's partial output summed by the TP all-reduce).
 
     On a GPU (``device`` of type cuda) the engine starts at ``gpu_id`` with the attention and sampling
     backends of ``cfg`` (sglang's own choice where they are None or "auto") and CUDA graphs, its
@@ -54,9 +62,11 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
     - ``dtype`` (default ``CPU_DTYPE``, fp32);
     - a KV pool of ``cfg.kv_cache_tokens`` tokens (``max_total_tokens``), as the reference engine's,
       instead of a fraction of the host's memory;
-    - no server warm-up request (the engine is driven in-process, no HTTP server to warm up).
+    - no server warm-up request (the engine is driven in-process, no HTTP server to warm up);
+    - no expert parallelism: sglang's plain-torch MoE (``layers/moe/fused_moe_native.py:77``, 0.5.23)
+      scatters every chosen expert id into a count table, and EP marks another rank's expert -1.
     """
-    port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size)
+    port, nccl_port = engine_ports(cfg.sglang_base_port, local_rank, tp_size, ep_size)
     # sleep_on_idle: without it an idle scheduler spins, a CPU core per engine for the whole run
     # (``managers/scheduler_components/idle_sleeper.py``, ``IdleSleeper``: 0.5.17 line 35, 0.5.23
     # line 36), and the engines are idle whenever the trainer runs, on the cores the trainer, the
@@ -65,10 +75,21 @@ def server_args(model_dir: str | Path, cfg: RolloutConfig, *, tp_size: int, loca
     common = dict(model_path=str(model_dir), tp_size=tp_size, port=port, nccl_port=nccl_port,
                   mem_fraction_static=cfg.mem_fraction_static, max_running_requests=cfg.max_running_requests,
                   skip_tokenizer_init=True, random_seed=cfg.seed + engine_id, sleep_on_idle=True)
+    if ep_size > 1:
+        common["ep_size"] = ep_size
     if cfg.sglang_deterministic_inference:
         common["enable_deterministic_inference"] = True
+    # each finished request's meta_info then carries "routed_experts"; a dense model routes nothing, and
+    # sglang's capturer would read the experts per token its config lacks (state_capturer/routed_experts.py:72)
+    if cfg.return_routing and parse_spec(model_dir).is_moe:
+        common["enable_return_routed_experts"] = True
     kind = torch.device(device).type
     if kind == "cpu":
+        if ep_size > 1:
+            raise ValueError(f"an sglang engine on CPU cannot split experts (EP {ep_size}): its plain-torch MoE "
+                             "indexes the -1 that marks another rank's expert (sglang layers/moe/"
+                             "fused_moe_native.py:77); set rollout.ep=1 and scheduler.planner.short_ep/long_ep=1, "
+                             "or rollout.backend=reference")
         return dict(common, device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, enable_memory_saver=False, max_total_tokens=cfg.kv_cache_tokens,
                     dtype=dtype or CPU_DTYPE, skip_server_warmup=True)

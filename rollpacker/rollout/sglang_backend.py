@@ -48,7 +48,9 @@ Semantics matched to the reference engine:
 - a request with no stop ids runs to ``max_new_tokens`` (``ignore_eos``);
   SGLang otherwise also stops at the model's EOS, which callers pass as a stop id;
 - output tokens and log-probs both come from ``output_token_logprobs``, so they
-  are aligned by construction; preemptions are SGLang's ``num_retractions``.
+  are aligned by construction; preemptions are SGLang's ``num_retractions``;
+- with ``return_routing`` on a MoE model, ``routed_experts`` is sglang's routing of every fed
+  position, translated by ``sglang_routing`` (which says where it departs from the reference engine).
 """
 from __future__ import annotations
 
@@ -235,12 +237,13 @@ class SGLangEngine(RolloutEngine):
     ``"cpu"`` runs the engine on CPU (``sglang_args.server_args``). ``dtype`` overrides the dtype it
     computes in (sglang's names: "float32", "bfloat16"). ``host`` makes what runs the engine's driver
     from (sglang's engine arguments, ``cfg``, ``engine_id``, the model's vocabulary size); by default
-    a process of its own, which reads the installed sglang release.
+    a process of its own, which reads the installed sglang release. ``ep``: a MoE model's experts in
+    this many blocks over the group's ranks (sglang's ``ep_size``).
     """
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, *, group: dist.ProcessGroup | None = None,
                  engine_id: int = 0, device: str = "cuda", dtype: str | None = None,
-                 host: Callable[..., Any] | None = None):
+                 host: Callable[..., Any] | None = None, ep: int = 1):
         cfg.validate()
         self.cfg, self.engine_id = cfg, engine_id
         if group is None:
@@ -258,7 +261,7 @@ class SGLangEngine(RolloutEngine):
         local_rank = int(os.environ.get("LOCAL_RANK", ranks[0]))
         gpu = None if dev.type == "cpu" else dev.index if dev.index is not None else local_rank
         kwargs = server_args(model_dir, cfg, tp_size=len(ranks), local_rank=local_rank, gpu_id=gpu,
-                             engine_id=engine_id, device=dev, dtype=dtype)
+                             engine_id=engine_id, device=dev, dtype=dtype, ep_size=ep)
         vocab_size = _vocab_size(model_dir)
         if host is not None:
             self._host = host(kwargs, cfg, engine_id, vocab_size)

@@ -60,6 +60,7 @@ from rollpacker.rollout.engine import (FINISH_ABORT, FINISH_EVICTED, MEMORY_TAGS
                                        GenerationRequest, RequestError)
 from rollpacker.rollout.sglang_api import (LOAD_TIMEOUT_S, SGLangCalls, SGLangSurface, WeightSyncError, check_call,
                                            completion, installed_surface, sampling_params)
+from rollpacker.rollout.sglang_routing import RoutingLayout
 
 KEY_ENV = "ROLLPACKER_HOST_KEY"
 PARENT_ENV = "ROLLPACKER_HOST_PARENT"  # the rank's pid: a host that outlived it before it could watch it exits
@@ -141,10 +142,12 @@ class SGLangDriver:
     release ``surface`` describes."""
 
     def __init__(self, engine: Any, cfg: RolloutConfig, engine_id: int, surface: SGLangSurface,
-                 vocab_size: int | None = None, doorbell: int | None = None):
+                 vocab_size: int | None = None, doorbell: int | None = None, routing: RoutingLayout | None = None):
         """``vocab_size``: token ids at or above it are refused (sglang would index past its embedding);
-        ``doorbell``: a pipe's write end, a byte written to it for every result (the rank sleeps on it)."""
+        ``doorbell``: a pipe's write end, a byte written to it for every result (the rank sleeps on it);
+        ``routing``: the MoE model's layout, where completions carry their routing (``cfg.return_routing``)."""
         self.cfg, self.engine_id, self.vocab_size, self._doorbell = cfg, engine_id, vocab_size, doorbell
+        self.routing = routing
         self.engine, self.surface = engine, surface
         self._call = SGLangCalls(engine, surface)
         self._loop = _LoopThread(engine.loop)
@@ -372,6 +375,8 @@ class SGLangDriver:
         params = dataclasses.replace(r.params, max_new_tokens=r.params.max_new_tokens - len(r.resume_ids))
         call = dict(input_ids=[*r.input_ids, *r.resume_ids], sampling_params=sampling_params(params),
                     return_logprob=True, rid=r.request_id)
+        if self.routing is not None:
+            call["return_routed_experts"] = True
         try:
             if r.report_progress:
                 # sglang's stream (not incremental: each chunk holds the output so far, the last one
@@ -387,6 +392,9 @@ class SGLangDriver:
             c = completion(r.request_id, out, submitted_at, self.engine_id)
             prefix_ids, prefix_lps = self._resumed.pop(r.request_id, ((), ()))
             c.output_ids, c.logprobs = [*prefix_ids, *c.output_ids], [*prefix_lps, *c.logprobs]
+            if self.routing is not None:  # an aborted request's: whatever sglang gave (sglang_routing)
+                fed = None if c.finish_reason == FINISH_ABORT else len(r.input_ids) + len(c.output_ids) - 1
+                c.routed_experts = self.routing.decode(out["meta_info"], fed)
             self._stats.preemptions += int(out["meta_info"].get("num_retractions", 0))
             if c.finish_reason == FINISH_ABORT and r.request_id in self._evicting:
                 c.finish_reason = FINISH_EVICTED
@@ -509,8 +517,10 @@ def _watch(children: set[int]) -> None:
             with contextlib.suppress(OSError):
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             if state in ("", "Z", "X"):
-                print(f"[sglang-host {os.getpid()}] sglang process {pid} exited; ending the engine host",
-                      file=sys.stderr, flush=True)
+                # one write: the rank may kill the group meanwhile (its shutdown), and a line cut before
+                # its newline ran into the next line of the output the rank's caller parses
+                line = f"[sglang-host {os.getpid()}] sglang process {pid} exited; ending the engine host\n"
+                os.write(2, line.encode())
                 os.killpg(0, signal.SIGKILL)
 
 
@@ -532,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         check_call(surface, "Engine.__init__", spec["kwargs"])
         import sglang
         os.set_blocking(doorbell, False)
+        routing = RoutingLayout.of_model(spec["kwargs"]["model_path"]) if spec["cfg"].return_routing else None
         driver = SGLangDriver(sglang.Engine(**spec["kwargs"]), spec["cfg"], spec["engine_id"], surface,
-                              spec["vocab_size"], doorbell=doorbell)
+                              spec["vocab_size"], doorbell=doorbell, routing=routing)
     except Exception as exc:
         conn.send(("error", RuntimeError(f"the sglang engine did not start: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()}")))

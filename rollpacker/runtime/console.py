@@ -48,7 +48,8 @@ class Console:
         elapsed = time.monotonic() - self.started
         eta = elapsed / (step - self.first_step + 1) * (self.total - step)
         tokens_per_s = m["generated_tokens"] / m["rollout_s"] if m["rollout_s"] > 0 else 0.0
-        return (f"step {step}/{self.total} {m['round']} tp={m['rollout_tp']} | {m['time/step_s']:.1f}s, "
+        ep = f" ep={m['rollout_ep']}" if m.get("rollout_ep", 1) > 1 else ""
+        return (f"step {step}/{self.total} {m['round']} tp={m['rollout_tp']}{ep} | {m['time/step_s']:.1f}s, "
                 f"ETA {duration(eta)} | {tokens_per_s:,.0f} tok/s | reward {m['reward_mean']:.3f} | "
                 f"len {m['response_len_p50']:.0f} (p90 {m['response_len_p90']:.0f}) | "
                 f"loss {_num(m.get('train/loss'))} kl {_num(m.get('train/kl'))} "

@@ -1,9 +1,11 @@
-"""This rank's rollout engines: one per TP size the planner may choose, one set awake.
+"""This rank's rollout engines: one per layout (TP size, and EP size for a MoE model) the planner
+may choose, one set awake.
 
 Regrouping between rounds is a switch of engine set: every rank belongs to
-exactly one engine of each TP size (``World.rollout``). All sets are released
-while the trainer runs; before a round the program selects the set of the
-round's TP size, and the phase machine wakes it (weights, then KV cache)
+exactly one engine group of each TP size (``World.rollout``), and builds an
+engine over it for each EP size the planner may pick at that TP. All sets are
+released while the trainer runs; before a round the program selects the set of
+the round's layout, and the phase machine wakes it (weights, then KV cache)
 while the current weights are pushed into it. Control-plane calls (release,
 resume, weight loads) are made by every rank of an engine together; only the
 decode loop is leader-driven.
@@ -21,29 +23,36 @@ from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import MEMORY_TAGS, RolloutEngine
 from rollpacker.runtime.world import RolloutLayout, World
+from rollpacker.scheduler.round import EngineLayout
 
 
 class EngineSets:
-    def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, tp_sizes: list[int], *,
+    def __init__(self, world: World, cfg: RolloutConfig, model_dir: str, choices: list[EngineLayout], *,
                  window: int | None = None):
-        """Collective: build this rank's engine of every TP size, then release them all. ``window``: the
-        fixed width ``rollout.match_trainer`` computes at."""
+        """Collective: build this rank's engine of every layout in ``choices``, then release them all.
+        ``window``: the fixed width ``rollout.match_trainer`` computes at."""
         self.world = world
-        self.engines: dict[int, RolloutEngine] = {}
-        for tp in sorted(set(tp_sizes)):
-            layout = world.rollout[tp]
-            self.engines[tp] = make_engine(cfg, model_dir, group=layout.group, engine_id=layout.engine_id,
-                                           device=str(world.device), window=window)
-            self.engines[tp].release_memory(list(MEMORY_TAGS))
-        self.tp = min(self.engines)
+        self.engines: dict[EngineLayout, RolloutEngine] = {}
+        for choice in sorted(set(choices)):
+            layout = world.rollout[choice.tp]
+            engine = make_engine(cfg, model_dir, group=layout.group, engine_id=layout.engine_id,
+                                 device=str(world.device), window=window, ep=choice.ep)
+            engine.release_memory(list(MEMORY_TAGS))
+            self.engines[choice] = engine
+        self.choice = min(self.engines)
+
+    @property
+    def tp_sizes(self) -> set[int]:
+        return {choice.tp for choice in self.engines}
 
     @property
     def layout(self) -> RolloutLayout:
-        return self.world.rollout[self.tp]
+        """The process groups of the awake set's TP size."""
+        return self.world.rollout[self.choice.tp]
 
     @property
     def active(self) -> RolloutEngine:
-        return self.engines[self.tp]
+        return self.engines[self.choice]
 
     def awake(self) -> list[RolloutEngine]:
         """The engine the phase machine resumes and releases: this rank's one in the current layout."""
@@ -55,11 +64,11 @@ class EngineSets:
         if self.layout.control is not None:
             dist.barrier(group=self.layout.control)
 
-    def select(self, tp: int) -> None:
+    def select(self, choice: EngineLayout) -> None:
         """Choose the set for the next round; only while every set is released (TRAIN phase)."""
-        if tp not in self.engines:
-            raise ValueError(f"no rollout engines of TP {tp}; built: {sorted(self.engines)}")
-        self.tp = tp
+        if choice not in self.engines:
+            raise ValueError(f"no rollout engines of {choice}; built: {', '.join(map(str, sorted(self.engines)))}")
+        self.choice = choice
 
     def push(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Collective: stream the trainer's full tensors into the awake engine.

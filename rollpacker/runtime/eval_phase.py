@@ -103,9 +103,9 @@ class EvalPhase:
         log.info("eval of step %d: started on %d engine(s)", step, fleet.size)
         groups = self._groups(step)
         launches = [g for g, _, _ in groups]
-        plan = RoundPlan(index=step, kind=RoundKind.EVAL, tp=self.rollout.engines.layout.tp,
-                         prompts=tuple(g.prompt for g in launches), n_responses=max(g.n for g in launches),
-                         target_groups=len(launches))
+        awake = self.rollout.engines.choice
+        plan = RoundPlan(index=step, kind=RoundKind.EVAL, tp=awake.tp, prompts=tuple(g.prompt for g in launches),
+                         n_responses=max(g.n for g in launches), target_groups=len(launches), ep=awake.ep)
         # Only on a terminal (disable=None): a log file keeps the step lines without a bar's redraws.
         bar = tqdm(total=len(groups), unit="group", desc=f"eval of step {step}", disable=None, leave=False)
         start = fleet.clock.now()

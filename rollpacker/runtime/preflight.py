@@ -125,6 +125,13 @@ def check_backends(cfg: Config) -> None:
         raise ConfigError(f"{src}: rollout.sglang_deterministic_inference=true needs one of sglang's GPU attention "
                           "backends (triton, fa3, fa4, flashinfer); an engine on CPU runs torch_native, which sglang "
                           "refuses for deterministic inference. Set it to false on CPU")
+    engine_ep = max(cfg.scheduler.planner.ep_sizes(cfg.rollout.ep))
+    if not torch.cuda.is_available() and cfg.rollout.backend == "sglang" and engine_ep > 1:
+        # sglang 0.5.23 layers/moe/fused_moe_native.py:77 scatters the -1 that EP gives another rank's expert
+        raise ConfigError(f"{src}: rollout EP {engine_ep} (rollout.ep / scheduler.planner.short_ep, long_ep, profile): "
+                          "an sglang engine on CPU runs its plain-torch MoE, which cannot skip another rank's experts; "
+                          "set them to 1 on CPU (each expert then splits over the engine's ranks), or "
+                          "rollout.backend=reference")
     if torch.cuda.is_available() and cfg.rollout.match_trainer:
         raise ConfigError(f"{src}: rollout.match_trainer reproduces the CPU trainer's fixed-width forward; the GPU "
                           "trainer packs sequences with Transformer Engine kernels, which no engine reproduces "

@@ -58,7 +58,7 @@ class RolloutPhase:
             # complete, and rank 0 would wait on it for good (a node lost before a TP size's first round)
             for tp, layout in sorted(world.rollout.items()):
                 for engine_id, leader in enumerate(layout.leaders):
-                    if leader != 0 and tp in engines.engines:
+                    if leader != 0 and tp in engines.tp_sizes:
                         self._proxy(tp, engine_id, leader)
         self.streaming = None
         if self.rank == 0 and replica_of is not None:

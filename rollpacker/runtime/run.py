@@ -47,10 +47,11 @@ class Run:
         planner = cfg.scheduler.planner
         tp_sizes = planner.tp_choices(world.size, cfg.rollout.tp)
         world.build_rollout_layouts(tp_sizes)
+        choices = planner.layout_choices(world.size, cfg.rollout.tp, cfg.rollout.ep)
         # Engines first: an engine sizes its KV pool from the device memory free when it starts, and
         # during rollout the trainer is offloaded, so it must not be resident yet (SGLang takes a
         # fraction of what is free at init).
-        self.engines = EngineSets(world, cfg.rollout, cfg.model.path, tp_sizes, window=cfg.matched_window)
+        self.engines = EngineSets(world, cfg.rollout, cfg.model.path, choices, window=cfg.matched_window)
         layout = setup_layout(cfg.trainer.tp, cfg.trainer.pp, cfg.trainer.cp, ep=cfg.trainer.ep, seed=cfg.run.seed)
         self.trainer = Trainer(cfg.trainer, cfg.model.path, layout, row_width=cfg.matched_window)
         self.phases = PhaseMachine(self.trainer, self.engines.awake, self.timeline,
@@ -119,10 +120,10 @@ class Run:
 
     # --- the phases of a step --------------------------------------------------------------------
     def plan_round(self) -> RoundPlan | None:
-        """Rank 0 plans the round; every rank selects the engine set of the round's TP size."""
+        """Rank 0 plans the round; every rank selects the engine set of the round's layout."""
         self._step_started = time.monotonic()
         plan = self.scheduler.plan_round() if self.coordinator else None
-        box = [plan.tp if plan else None]
+        box = [plan.layout if plan else None]
         dist.broadcast_object_list(box, src=0, group=self.world.control)
         self.engines.select(box[0])
         return plan
@@ -271,7 +272,7 @@ class Run:
         media: dict[str, Any] = {"images": {
             "perf/timeline": plot_timeline(spans, timeline / f"step_{step:06d}.png", f"step {step}"),
             "rollout/gantt": plot_gantt(result.trace, timeline / f"step_{step:06d}_requests.png",
-                                        f"step {step}: {result.kind.value} round, engine TP {result.tp}, "
+                                        f"step {step}: {result.kind.value} round, engines of TP {result.tp} EP {result.ep}, "
                                         f"{len(result.trace.requests)} requests")}}
         every = self.cfg.run.log_samples_every
         if every and step % every == 0:
@@ -285,7 +286,8 @@ class Run:
         lengths = np.array([x.num_response_tokens for x in samples])
         rewards = np.array([x.reward for x in samples], dtype=float)
         return {
-            "round": result.kind.value, "rollout_tp": result.tp, "prompts_launched": s.launched_prompts,
+            "round": result.kind.value, "rollout_tp": result.tp, "rollout_ep": result.ep,
+            "prompts_launched": s.launched_prompts,
             "responses_launched": s.launched_responses, "prompts_kept": s.kept_prompts,
             "responses_kept": len(samples), "groups": len(result.groups),
             "group_sizes": sorted({len(g) for g in result.groups}),

@@ -5,28 +5,46 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollpacker.configlib import ConfigError
+from rollpacker.scheduler.round import EngineLayout
+
+
+def _power_of_two(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ConfigError(f"{name} must be a power of two >= 1, got {value}")
 
 
 @dataclass(frozen=True)
 class TPProfile:
-    """Measured (``bench/system/profile_tp.py``) or modeled capacity of one engine at a TP size."""
+    """Measured (``bench/system/profile_tp.py``) or modeled capacity of one engine layout: ``tp`` ranks
+    and, for a MoE model, its experts in ``ep`` blocks over them."""
 
     tp: int
     decode_tokens_per_s: float  # saturated decode throughput of one engine
     kv_capacity_tokens: int  # KV-cache tokens one engine holds
+    ep: int = 1
+    # one request decoding alone: the speed no response can beat however few share the engine
+    # (0: not measured, no such bound)
+    request_tokens_per_s: float = 0.0
 
     def validate(self) -> None:
-        if self.tp < 1 or self.tp & (self.tp - 1):
-            raise ConfigError(f"tp must be a power of two >= 1, got {self.tp}")
-        if self.decode_tokens_per_s <= 0 or self.kv_capacity_tokens < 1:
-            raise ConfigError(f"decode_tokens_per_s and kv_capacity_tokens must be positive, got "
-                              f"{self.decode_tokens_per_s} and {self.kv_capacity_tokens}")
+        _power_of_two("tp", self.tp)
+        _power_of_two("ep", self.ep)
+        if self.tp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide tp={self.tp}: an engine's experts are split over its ranks")
+        if self.decode_tokens_per_s <= 0 or self.kv_capacity_tokens < 1 or self.request_tokens_per_s < 0:
+            raise ConfigError(f"decode_tokens_per_s and kv_capacity_tokens must be positive and request_tokens_per_s "
+                              f">= 0, got {self.decode_tokens_per_s}, {self.kv_capacity_tokens} and "
+                              f"{self.request_tokens_per_s}")
 
     def round_seconds(self, engines: int, requests: int, tokens_per_request: float) -> float:
-        """Time to generate the round's tokens; over-subscribed KV is paid as recompute."""
+        """Time to generate the round's tokens; over-subscribed KV is paid as recompute. A round of
+        few requests per engine (a long round) does not fill the batch: it lasts at least as long as
+        one response takes alone."""
         demand = requests / engines * tokens_per_request
         oversubscription = max(1.0, demand / self.kv_capacity_tokens)
-        return requests * tokens_per_request / (engines * self.decode_tokens_per_s) * oversubscription
+        throughput = requests * tokens_per_request / (engines * self.decode_tokens_per_s) * oversubscription
+        alone = tokens_per_request / self.request_tokens_per_s if self.request_tokens_per_s else 0.0
+        return max(throughput, alone)
 
 
 @dataclass
@@ -34,26 +52,32 @@ class PlannerConfig:
     enabled: bool = True
     short_tp: int = 1  # initial rollout TP for short rounds (best profiled)
     long_tp: int = 2  # initial rollout TP for long rounds
+    # A MoE model's engines split its experts into this many blocks of whole experts, one per
+    # tp/ep of their ranks (expert parallelism inside the engine), capped at the round's TP; 1
+    # shards every expert over all the engine's ranks. Which is faster depends on the batch: a
+    # short round's many tokens per step reach every expert (whole experts make larger GEMMs), a
+    # long round's few reach few (sharded experts keep every rank busy), and on the kernels; profile
+    # rows with ep and request_tokens_per_s let the planner choose per round kind from measurements.
+    short_ep: int = 1
+    long_ep: int = 1
     grow_ratio: float = 1.05  # preemptions rising by more than this step over step -> double TP
     shrink_after_steps: int = 4  # steps with zero preemptions -> halve TP
     max_tp: int = 8  # a TP group never spans nodes: at most the GPUs per node
     min_tp: int = 1  # smaller engines are not built (rollpacker.plan: weights that do not fit)
-    # one row per TP size; with rows, a round kind starts at the TP they predict fastest
-    # (short_tp/long_tp are then unused)
+    # one row per layout (TP size, and EP size for a MoE model); with rows, a round kind starts at the
+    # layout they predict fastest (short_tp/long_tp and short_ep/long_ep are then unused)
     profile: list[TPProfile] = field(default_factory=list)
 
     def validate(self) -> None:
-        for name in ("short_tp", "long_tp", "max_tp", "min_tp"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ConfigError(f"{name} must be a power of two >= 1, got {v}")
+        for name in ("short_tp", "long_tp", "max_tp", "min_tp", "short_ep", "long_ep"):
+            _power_of_two(name, getattr(self, name))
         if self.min_tp > self.max_tp:
             raise ConfigError(f"min_tp={self.min_tp} must be <= max_tp={self.max_tp}")
         if self.grow_ratio < 1:
             raise ConfigError(f"grow_ratio must be >= 1, got {self.grow_ratio}")
-        sizes = [row.tp for row in self.profile]
-        if len(set(sizes)) != len(sizes):
-            raise ConfigError(f"profile lists a TP size twice: {sizes}")
+        layouts = [(row.tp, row.ep) for row in self.profile]
+        if len(set(layouts)) != len(layouts):
+            raise ConfigError(f"profile lists a layout (tp, ep) twice: {layouts}")
 
     def tp_choices(self, rollout_ranks: int, fixed_tp: int) -> list[int]:
         """Every rollout TP the planner may pick (each rank builds an engine for each): powers of two
@@ -62,6 +86,19 @@ class PlannerConfig:
             return [fixed_tp]
         return [1 << k for k in range(self.max_tp.bit_length())
                 if 1 << k >= self.min_tp and rollout_ranks % (1 << k) == 0]
+
+    def ep_sizes(self, fixed_ep: int) -> set[int]:
+        """The expert-parallel sizes the planner may want, before the cap at a round's TP."""
+        if not self.enabled:
+            return {fixed_ep}
+        return {self.short_ep, self.long_ep, *(row.ep for row in self.profile)}
+
+    def layout_choices(self, rollout_ranks: int, fixed_tp: int, fixed_ep: int = 1) -> list[EngineLayout]:
+        """Every engine layout the planner may pick (each rank builds an engine for each): every TP of
+        ``tp_choices`` with each EP it may want, capped at that TP."""
+        eps = self.ep_sizes(fixed_ep)
+        return sorted({EngineLayout(tp, min(ep, tp)) for tp in self.tp_choices(rollout_ranks, fixed_tp)
+                       for ep in eps})
 
 
 @dataclass

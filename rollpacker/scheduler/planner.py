@@ -1,14 +1,17 @@
-"""Parallelism planner: the rollout TP size for each round kind.
+"""Parallelism planner: the rollout engines' layout for each round kind, TP size and, for a MoE
+model, expert-parallel size.
 
 Short rounds carry more concurrent requests than long ones, hence more
-KV-cache pressure and preemptions, so each round kind has its own TP.
+KV-cache pressure and preemptions, so each round kind has its own TP. A MoE
+model's experts see the same contrast: a short round's many tokens per step
+reach every expert, a long round's few reach few, so each kind has its own EP.
 
-- Start: with a profile table, the TP whose modeled time for the round's
-  work is lowest (ties: the smaller TP), the work being the round's
+- Start: with a profile table, the layout whose modeled time for the round's
+  work is lowest (ties: the smaller TP, then EP), the work being the round's
   requests x the mean response length observed so far (a quarter of the
   length limit before any round has run); without a table, the configured
-  ``short_tp`` / ``long_tp`` (a baseline round, P0 x R0 like a long round,
-  starts at ``long_tp``).
+  ``short_tp`` / ``long_tp`` and ``short_ep`` / ``long_ep`` (a baseline round,
+  P0 x R0 like a long round, starts at the long ones).
 - Online, per round kind, after each round of that kind: preemptions above
   ``grow_ratio`` x those of the previous round of the same kind (a rise from
   zero counts) double TP; ``shrink_after_steps`` consecutive rounds with no
@@ -16,7 +19,8 @@ KV-cache pressure and preemptions, so each round kind has its own TP.
   would read the round mix as pressure, hence per kind. A deterministic run
   (``scheduler.race``) does not apply it: preemptions depend on the timing.
 - Every TP is a power of two, at most ``max_tp`` (a TP group never spans a
-  node) and divides the number of rollout ranks.
+  node) and divides the number of rollout ranks. A kind keeps its EP across TP
+  changes, capped at the TP.
 """
 from __future__ import annotations
 
@@ -25,23 +29,24 @@ from typing import Any, Sequence
 
 from rollpacker.configlib import ConfigError
 from rollpacker.scheduler.config import PlannerConfig, TPProfile
-from rollpacker.scheduler.round import RoundKind
+from rollpacker.scheduler.round import EngineLayout, RoundKind
 
 
 @dataclass
 class _KindState:
     tp: int
+    ep: int = 1  # before the cap at tp
     last_preemptions: int | None = None
     zero_streak: int = 0
 
 
 class ParallelismPlanner:
-    def __init__(self, cfg: PlannerConfig, rollout_ranks: int, *, fixed_tp: int = 1,
+    def __init__(self, cfg: PlannerConfig, rollout_ranks: int, *, fixed_tp: int = 1, fixed_ep: int = 1,
                  profile: Sequence[TPProfile] = ()) -> None:
         self.cfg = cfg
         self.rollout_ranks = rollout_ranks
-        self.fixed_tp = fixed_tp
-        self.profile = {p.tp: p for p in (profile or cfg.profile)}
+        self.fixed = EngineLayout(fixed_tp, min(fixed_ep, fixed_tp))
+        self.profile = {EngineLayout(p.tp, p.ep): p for p in (profile or cfg.profile)}
         self._allowed = cfg.tp_choices(rollout_ranks, fixed_tp)
         checked = [("short_tp", cfg.short_tp), ("long_tp", cfg.long_tp)] if cfg.enabled else []
         for name, tp in [*checked, ("fixed_tp", fixed_tp)]:
@@ -51,13 +56,14 @@ class ParallelismPlanner:
         self._kinds: dict[RoundKind, _KindState] = {}
         self._mean_response_tokens = 0.0  # of the last round's batch
 
-    def tp_for(self, kind: RoundKind, *, requests: int, max_response_tokens: int) -> int:
+    def layout_for(self, kind: RoundKind, *, requests: int, max_response_tokens: int) -> EngineLayout:
         if not self.cfg.enabled:
-            return self.fixed_tp
+            return self.fixed
         if kind not in self._kinds:
             tokens = self._mean_response_tokens or max_response_tokens / 4
-            self._kinds[kind] = _KindState(self._initial(kind, requests, tokens))
-        return self._kinds[kind].tp
+            self._kinds[kind] = self._initial(kind, requests, tokens)
+        state = self._kinds[kind]
+        return EngineLayout(state.tp, min(state.ep, state.tp))
 
     def observe(self, kind: RoundKind, preemptions: int | None, mean_response_tokens: float) -> None:
         """Apply the online rule after a round of ``kind`` with ``preemptions`` (None: not measured, the
@@ -88,12 +94,15 @@ class ParallelismPlanner:
         self._kinds = {RoundKind(k): _KindState(**v) for k, v in state["kinds"].items()}
         self._mean_response_tokens = float(state["mean_response_tokens"])
 
-    def _initial(self, kind: RoundKind, requests: int, tokens_per_request: float) -> int:
-        candidates = [t for t in self._allowed if t in self.profile]
+    def _initial(self, kind: RoundKind, requests: int, tokens_per_request: float) -> _KindState:
+        candidates = [layout for layout in self.profile if layout.tp in self._allowed]
         if not candidates:
-            return self.cfg.short_tp if kind is RoundKind.SHORT else self.cfg.long_tp
-        return min(candidates, key=lambda t: (self.profile[t].round_seconds(
-            self.rollout_ranks // t, requests, tokens_per_request), t))
+            short = kind is RoundKind.SHORT
+            return _KindState(self.cfg.short_tp if short else self.cfg.long_tp,
+                              self.cfg.short_ep if short else self.cfg.long_ep)
+        best = min(candidates, key=lambda layout: (self.profile[layout].round_seconds(
+            self.rollout_ranks // layout.tp, requests, tokens_per_request), layout))
+        return _KindState(best.tp, best.ep)
 
     def _step(self, tp: int, *, up: bool) -> int:
         i = self._allowed.index(tp) if tp in self._allowed else 0

@@ -22,11 +22,23 @@ class RoundKind(str, enum.Enum):
     EVAL = "eval"  # validation: every response of every eval prompt, nothing races
 
 
+@dataclass(frozen=True, order=True)
+class EngineLayout:
+    """How a round's engines split the model: ``tp`` ranks each, and a MoE model's experts in ``ep``
+    blocks of whole experts, ``tp / ep`` ranks sharing each expert (``ep`` 1: every expert over all)."""
+
+    tp: int
+    ep: int = 1
+
+    def __str__(self) -> str:
+        return f"TP {self.tp}" + (f" EP {self.ep}" if self.ep > 1 else "")
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """One round as decided by ``Scheduler.plan_round``.
 
-    The program regroups its rollout ranks into engines of ``tp`` ranks each
+    The program regroups its rollout ranks into engines of ``tp`` ranks each (``layout``)
     before calling ``Scheduler.run_round`` with this plan.
     """
 
@@ -36,6 +48,11 @@ class RoundPlan:
     prompts: tuple[Prompt, ...]  # launched at the start, in launch order
     n_responses: int  # responses launched per prompt
     target_groups: int  # P0: the round ends when this many groups are kept
+    ep: int = 1  # a MoE model's experts in this many blocks over each engine's ranks (the planner's too)
+
+    @property
+    def layout(self) -> EngineLayout:
+        return EngineLayout(self.tp, self.ep)
 
 
 @dataclass
@@ -120,6 +137,7 @@ class RoundResult:
     stats: RoundStats = field(default_factory=RoundStats)
     trace: RoundTrace | None = None
     completed: list[SampleGroup | None] = field(default_factory=list)  # each launched group; None: deferred
+    ep: int = 1  # the engines' expert-parallel size (RoundPlan.ep)
 
     @property
     def groups(self) -> list[list[Sample]]:

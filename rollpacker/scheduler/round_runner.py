@@ -225,7 +225,7 @@ class RoundRunner:
         )
         return RoundResult(self.plan.index, self.plan.kind, self.plan.tp, self.kept, self.filtered,
                            self.filtered_tokens, deferred, stats, self._trace(start, rollout_end),
-                           completed=[g.done for g in self.groups])
+                           completed=[g.done for g in self.groups], ep=self.plan.ep)
 
     def _trace(self, start: float, rollout_end: float) -> RoundTrace:
         at, released = self.handed_off or (None, ())

@@ -67,7 +67,8 @@ class Scheduler:
         self.history = PromptHistory(cfg.history) if cfg.history.enabled and races(cfg.mode) else None
         self.policy = make_policy(cfg, HistoryAdmission(cfg, self.history) if self.history is not None else FreshAdmission(cfg))
         self.queue = LongPromptQueue()
-        self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, profile=profile)
+        self.planner = ParallelismPlanner(cfg.planner, rollout_ranks, fixed_tp=rollout.tp, fixed_ep=rollout.ep,
+                                          profile=profile)
         self._seeded = rollout.seeded
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._pending: RoundPlan | None = None
@@ -77,10 +78,11 @@ class Scheduler:
             raise RuntimeError(f"round {self._pending.index} was planned and not run")
         spec = self.policy.next_round(self.queue, self.source)
         self.counters["routed"] += spec.routed
-        tp = self.planner.tp_for(spec.kind, requests=len(spec.prompts) * spec.n_responses,
-                                 max_response_tokens=self.sampling.max_new_tokens)
-        self._pending = RoundPlan(index=self.counters["rounds"], kind=spec.kind, tp=tp, prompts=tuple(spec.prompts),
-                                  n_responses=spec.n_responses, target_groups=self.cfg.p0)
+        layout = self.planner.layout_for(spec.kind, requests=len(spec.prompts) * spec.n_responses,
+                                         max_response_tokens=self.sampling.max_new_tokens)
+        self._pending = RoundPlan(index=self.counters["rounds"], kind=spec.kind, tp=layout.tp,
+                                  prompts=tuple(spec.prompts), n_responses=spec.n_responses,
+                                  target_groups=self.cfg.p0, ep=layout.ep)
         return self._pending
 
     def run_round(self, plan: RoundPlan, fleet: Fleet, *, on_group_done: GroupCallback | None = None,

@@ -24,6 +24,7 @@ from rollpacker.runtime.world import World
 from rollpacker.reward import RewardConfig
 from rollpacker.reward.service import NodeReward
 from rollpacker.sample import Prompt, Sample, SampleGroup
+from rollpacker.scheduler.round import EngineLayout
 
 
 def main(model_dir: str, run_dir: str) -> None:
@@ -43,7 +44,7 @@ def main(model_dir: str, run_dir: str) -> None:
     assert ckpt.any_stop_requested()
 
     world.build_rollout_layouts([1])
-    engines = EngineSets(world, RolloutConfig(kv_cache_tokens=256), model_dir, [1])
+    engines = EngineSets(world, RolloutConfig(kv_cache_tokens=256), model_dir, [EngineLayout(1)])
     engines.active.resume_memory(["weights"])  # what the phase machine does before a sync
     engines.push(iter_safetensors(model_dir))
     assert engines.max_weight_diff(iter_safetensors(model_dir)) == 0.0  # run.verify_sync

@@ -1,10 +1,12 @@
 """torchrun script: a TP=2 reference engine over 2 ranks (gloo) against TP=1 on the leader.
 
-Usage: engine_tp.py OLD_MODEL_DIR NEW_MODEL_DIR OUT_JSON. Both ranks form one engine over
+Usage: engine_tp.py OLD_MODEL_DIR NEW_MODEL_DIR OUT_JSON [EP]. Both ranks form one engine over
 an explicit group; rank 0 leads, rank 1 serves as follower. Rank 0 also runs TP=1
 engines alone and writes greedy outputs of: TP=2 vs TP=1 on the old weights (with a
 KV budget that preempts), after a release/resume of the KV cache, and after an in-place
-update to the new weights vs a fresh TP=1 engine loaded from them; and the prompts.
+update to the new weights vs a fresh TP=1 engine loaded from them; and the prompts. ``EP`` 2
+(a MoE model): the TP-2 engine holds half of the experts whole on each rank instead of half of
+every expert.
 """
 from __future__ import annotations
 
@@ -31,11 +33,12 @@ def greedy(engine: ReferenceEngine, prompts: list[list[int]]) -> dict[str, list[
 
 def main() -> None:
     old_dir, new_dir, out_path = sys.argv[1:4]
+    ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     cfg = RolloutConfig(kv_page_size=4, kv_cache_tokens=96)
-    engine = ReferenceEngine(old_dir, cfg, group=group)
+    engine = ReferenceEngine(old_dir, cfg, group=group, ep=ep)
     leader = dist.get_rank() == 0
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (4, 13, 7, 22, 2)]

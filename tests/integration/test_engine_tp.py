@@ -8,10 +8,12 @@ import torch
 
 from testkit import make_random_checkpoint, run_torchrun
 
-# family -> config overrides of its random checkpoints (Qwen3: head_dim 32 != hidden 64 / 4 heads, and tied;
-# Qwen3-MoE: router replicated, each expert split over the 2 ranks as the dense MLP)
-SHAPES = {"qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
-          "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}), "qwen3_moe": ("qwen3_moe", {})}
+# family, config overrides of its random checkpoints, expert-parallel size (Qwen3: head_dim 32 != hidden
+# 64 / 4 heads, and tied; Qwen3-MoE: router replicated, each expert split over the 2 ranks as the dense
+# MLP, or at EP 2 each rank holding 4 of the 8 experts whole)
+SHAPES = {"qwen2": ("qwen2", {}, 1), "qwen3": ("qwen3", {}, 1),
+          "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 16}, 1),
+          "qwen3_moe": ("qwen3_moe", {}, 1), "qwen3_moe_ep2": ("qwen3_moe", {}, 2)}
 
 
 def transformers_greedy(model_dir, prompts: list[list[int]], max_new: int = 24) -> dict[str, list[int]]:
@@ -24,11 +26,11 @@ def transformers_greedy(model_dir, prompts: list[list[int]], max_new: int = 24) 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_tp2_matches_tp1_and_transformers_and_updates_weights_in_place(tmp_path, shape):
-    family, overrides = SHAPES[shape]
+    family, overrides, ep = SHAPES[shape]
     old = make_random_checkpoint(tmp_path / "old", family, seed=0, **overrides)
     new = make_random_checkpoint(tmp_path / "new", family, seed=1, **overrides)
     out = tmp_path / "out.json"
-    run_torchrun(2, ["tests/dist/engine_tp.py", str(old), str(new), str(out)], timeout=300)
+    run_torchrun(2, ["tests/dist/engine_tp.py", str(old), str(new), str(out), str(ep)], timeout=300)
     r = json.loads(out.read_text())
     assert r["tp2"] == r["tp1"]
     assert r["tp2"] == transformers_greedy(old, r["prompts"])

@@ -265,10 +265,14 @@ MOE_CHECKS = CHECKS.parent / "moe_checks.py"
 
 def test_qwen3_moe_on_real_engine(sglang_venv_python, tmp_path):
     """A random Qwen3-MoE checkpoint whose layers are all sparse, served by our ``SGLangEngine`` on
-    the real engine (``tests/sglang_cpu/moe_checks.py``): greedy output equals transformers'
-    ``Qwen3MoeForCausalLM`` (fp32) token for token; ``update_weights`` pushes perturbed router and
-    expert tensors in 1 MiB buckets (a layer's experts split between two), and greedy output then
-    equals transformers' with the pushed weights and differs from before.
+    the real engine with ``return_routing`` (``tests/sglang_cpu/moe_checks.py``): greedy output equals
+    transformers' ``Qwen3MoeForCausalLM`` (fp32) token for token, and the routing the engine reports
+    (``Completion.routed_experts``) names at every position of prompt and output, a resumed request's
+    resumed tokens included, the experts transformers' router chooses, in its order; ``update_weights``
+    pushes perturbed router and expert tensors in 1 MiB buckets (a layer's experts split between two),
+    and greedy output and routing then equal transformers' with the pushed weights, the output
+    differing from before. (The engine's routing capture needs the venv's
+    ``shims/rollpacker_unpinned_capture.py`` on a host without CUDA.)
 
     What sglang cannot do: dense layers in a Qwen3-MoE model (``mlp_only_layers``,
     ``decoder_sparse_step``). sglang builds every Qwen3-MoE layer sparse
@@ -284,11 +288,13 @@ def test_qwen3_moe_on_real_engine(sglang_venv_python, tmp_path):
     assert verdicts, f"moe_checks.py printed no verdict (exit {proc.returncode}):\n{proc.stdout[-6000:]}"
     verdict = json.loads(verdicts[-1].removeprefix("VERDICT "))
     assert "crashed" not in verdict, f"{verdict['crashed']}\n--- output ---\n{proc.stdout[-4000:]}"
-    counts = ("tokens_equal_before", "tokens_equal_after", "pushed_tensors", "push_buckets")
-    print("tokens equal to transformers before/after the push, pushed tensors, buckets:",
-          *(verdict.get(k) for k in counts))
+    counts = ("tokens_equal_before", "tokens_equal_after", "positions_routed_equal_before",
+              "positions_routed_equal_after", "pushed_tensors", "push_buckets")
+    print("tokens equal to transformers before/after the push, positions routed as transformers before/after, "
+          "pushed tensors, buckets:", *(verdict.get(k) for k in counts))
     assert_all_true({k: v for k, v in verdict.items() if k not in counts})
     assert set(verdict) >= {"perturbation_changes_output", "router_and_experts_pushed", "a_layers_experts_span_buckets",
                             "backend_greedy_matches_transformers", "backend_greedy_after_update_matches_transformers",
+                            "routing_before_update_matches_transformers", "routing_after_update_matches_transformers",
                             "push_changes_engine_output", *counts}
     assert proc.returncode == 0, proc.stdout[-4000:]

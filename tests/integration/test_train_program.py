@@ -359,8 +359,9 @@ def test_a_qwen3_moe_policy_trains_over_tp_with_routing_replay(tmp_path):
 
 def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_exactly(tmp_path):
     """The program on a Qwen3-MoE checkpoint (8 experts, top-2, a dense middle layer), the shipped
-    tokenizer, tail batching with the planner (the long round regroups to a TP-2 engine) and the
-    trainer's experts split over EP=2: every sync lands exactly, the engine and trainer agree on
+    tokenizer, tail batching with the planner (the long round regroups to a TP-2 engine that holds
+    half of the experts whole on each rank, scheduler.planner.long_ep=2) and the trainer's experts
+    split over EP=2: every sync lands exactly, the engine and trainer agree on
     log-probs, the HF export loads as Qwen3MoeForCausalLM, and a run stopped after step 2 and
     resumed ends with the same ledger, metrics and weights as one that ran through. The random
     policy earns no reward: its gradients are the router's load-balancing loss alone."""
@@ -369,14 +370,15 @@ def test_a_random_qwen3_moe_policy_trains_with_expert_parallelism_and_resumes_ex
 
     policy = _random_policy(tmp_path, "qwen3_moe")
     common = [f"model.path={policy}", "run.save_every=2", "run.keep_checkpoints=10", "run.verify_sync=true",
-              "scheduler.planner.profile=[]", "rollout.max_response_length=64", "trainer.ep=2", "trainer.stream=false"]
+              "scheduler.planner.profile=[]", "rollout.max_response_length=64", "trainer.ep=2", "trainer.stream=false",
+              "scheduler.planner.long_ep=2"]
     _train(tmp_path / "through", "run.steps=5", *common)
     _train(tmp_path / "resumed", "run.steps=2", *common)
     _train(tmp_path / "resumed", "run.steps=5", *common)  # the same command: resumes from step 2
     rows = _metrics(tmp_path / "through")
-    print([(r["step"], r["round"], r["rollout_tp"], r["train/grad_norm"], r["train/logprob_mismatch_max"])
-           for r in rows])
-    assert [(r["round"], r["rollout_tp"]) for r in rows] == [("short", 1)] * 4 + [("long", 2)]
+    print([(r["step"], r["round"], r["rollout_tp"], r["rollout_ep"], r["train/grad_norm"],
+            r["train/logprob_mismatch_max"]) for r in rows])
+    assert [(r["round"], r["rollout_tp"], r["rollout_ep"]) for r in rows] == [("short", 1, 1)] * 4 + [("long", 2, 2)]
     for r in rows:
         assert r["sync/max_abs_diff"] == 0.0 and 0 < r["train/grad_norm"] and r["reward_mean"] == 0.0
         assert r["train/logprob_mismatch_max"] < 1e-5  # fp32 engine vs trainer: measured 9.5e-7

@@ -61,12 +61,16 @@ def test_megatron_matches_transformers_at_ep1(moe_dir, layout):  # noqa: F811
     assert parity.logprob_diff < LOGPROB_TOL and parity.entropy_diff < ENTROPY_TOL
 
 
-def test_expert_layouts_the_trainer_or_sglang_cannot_run_are_refused_before_work(moe_dir):
-    def cfg(*overrides):
-        return load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={moe_dir}", *overrides])
+def test_expert_layouts_the_trainer_or_sglang_cannot_run_are_refused_before_work(moe_dir, tmp_path):
+    def cfg(*overrides, model=moe_dir):
+        return load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", [f"model.path={model}", *overrides])
 
     check_layout(cfg("trainer.ep=2", "trainer.stream=false"), 2)
     check_layout(cfg("trainer.tp=2"), 2)  # under sequence parallelism (megatron_ext/model.py)
+    # sglang reports routing (sglang_routing.py), on the all-sparse checkpoints it can serve
+    all_sparse = make_random_qwen3_moe(tmp_path / "all_sparse", seed=2, mlp_only_layers=[])
+    check_layout(cfg("rollout.backend=sglang", "trainer.routing_replay=true", "rollout.return_routing=true",
+                     model=all_sparse), 2)
     for overrides, world, message in (
             (["trainer.ep=2"], 2, r"trainer.ep=2 with trainer.stream=true: .*set trainer.stream=false"),
             (["trainer.ep=4", "trainer.stream=false"], 2, r"trainer.ep=4: .*does not divide the world size 2"),
@@ -75,12 +79,40 @@ def test_expert_layouts_the_trainer_or_sglang_cannot_run_are_refused_before_work
             (["rollout.backend=sglang"], 2, r"dense layers \[1\] .*sglang builds every Qwen3-MoE layer sparse"),
             (["trainer.routing_replay=true"], 2, r"routing_replay=true: .*set rollout.return_routing=true"),
             (["trainer.routing_replay=true", "rollout.return_routing=true", "trainer.recompute=true"], 2,
-             r"routing_replay=true: a recomputed forward")):
+             r"routing_replay=true: a recomputed forward"),
+            # the rollout engines' expert parallelism: 8 experts, 96 wide
+            (["scheduler.planner.short_ep=16", "scheduler.planner.max_tp=16", "scheduler.p0=8"], 16,
+             r"rollout engines of TP 16 EP 16 .*EP 16 does not divide the 8 experts")):
         with pytest.raises(ConfigError, match=message):
             check_layout(cfg(*overrides), world)
     dense = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", ["trainer.ep=2", "trainer.stream=false"])
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         check_layout(dense, 2)
+    dense = load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", ["scheduler.planner.long_ep=2"])
+    with pytest.raises(ConfigError, match=r"rollout engines of TP 2 EP 2 .*the model has no experts to split \(qwen2\)"):
+        check_layout(dense, 2)
+    check_layout(cfg("scheduler.planner.long_ep=2", "scheduler.planner.short_ep=2"), 2)
+    narrow = make_random_qwen3_moe(tmp_path / "narrow", seed=2, moe_intermediate_size=90)
+    with pytest.raises(ConfigError, match=r"rollout engines of TP 4 \(.*\): the 4 ranks sharing an expert do not "
+                                          r"divide its intermediate size 90"):
+        check_layout(cfg("scheduler.planner.max_tp=4", "scheduler.p0=4", model=narrow), 4)
+
+
+def test_sglang_on_cpu_refuses_expert_parallel_engines_before_any_starts(moe_dir, monkeypatch):
+    """sglang's plain-torch MoE, the one a CPU engine runs, indexes the -1 that marks another rank's
+    expert under EP (measured with 0.5.23 at TP 2 / EP 2: "index -1 is out of bounds" at the first
+    forward; TP 2 / EP 1 gave 48/48 tokens equal to transformers)."""
+    import importlib.util
+
+    from rollpacker.runtime import preflight
+    real = importlib.util.find_spec
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    base = [f"model.path={moe_dir}", "rollout.backend=sglang"]
+    preflight.check_backends(load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", base))
+    for keys in (["scheduler.planner.enabled=false", "rollout.tp=2", "rollout.ep=2"],
+                 ["scheduler.planner.short_ep=2"], ["scheduler.planner.long_ep=2"]):
+        with pytest.raises(ConfigError, match=r"rollout EP 2 .*sglang engine on CPU runs its plain-torch MoE"):
+            preflight.check_backends(load_config(REPO_ROOT / "configs" / "tiny-cpu.yaml", [*base, *keys]))
 
 
 def test_the_load_balancing_loss_is_in_the_objective(moe_dir, layout):  # noqa: F811

@@ -273,12 +273,13 @@ def test_cpu_engine_env_splits_the_cpus_among_tp_ranks(monkeypatch):
 
 
 def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():
-    """Review C3: every (local rank, TP) engine of an 8-GPU node gets its own ports, whatever TP
-    sets a rank leads, none in launch/train.sh's rendezvous range and all below 65536."""
+    """Every (local rank, TP, EP) engine of a node of up to 16 ranks gets its own ports, whatever
+    layouts a rank leads, none in launch/train.sh's rendezvous range and all below 65536."""
+    layouts = [(tp, ep) for tp in (1, 2, 4, 8, 16) for ep in (1, 2, 4, 8, 16) if ep <= tp]
     for base in (30000, 29000, 65536 - SGLANG_PORT_SPAN):
         RolloutConfig(backend="sglang", sglang_base_port=base).validate()
-        ports = [p for rank in range(8) for tp in (1, 2, 4, 8) for p in engine_ports(base, rank, tp)]
-        assert len(set(ports)) == len(ports)
+        ports = [p for rank in range(16) for tp, ep in layouts for p in engine_ports(base, rank, tp, ep)]
+        assert len(set(ports)) == len(ports) == 16 * 15 * 2
         assert all(p not in RENDEZVOUS_PORTS and 1024 <= p < 65536 for p in ports)
         assert max(ports) < base + SGLANG_PORT_SPAN
     for bad in (28000, 20000 - SGLANG_PORT_SPAN + 1, 65536 - SGLANG_PORT_SPAN + 1, 1023):
@@ -288,6 +289,19 @@ def test_engine_ports_never_collide_on_a_node_nor_reach_the_rendezvous_ports():
         engine_ports(30000, 0, 3)
     with pytest.raises(ValueError, match="local rank 16"):
         engine_ports(30000, 16, 1)
+    with pytest.raises(ValueError, match="EP size must be a power of two dividing the TP size 2, got 4"):
+        engine_ports(30000, 0, 2, 4)
+
+
+def test_an_engine_splits_experts_with_sglangs_ep_size_on_a_gpu_and_is_refused_on_cpu():
+    cfg = RolloutConfig(backend="sglang")
+    args = server_args("/m", cfg, tp_size=4, local_rank=0, gpu_id=0, engine_id=0, ep_size=2)
+    assert (args["tp_size"], args["ep_size"]) == (4, 2)
+    assert (args["port"], args["nccl_port"]) == engine_ports(cfg.sglang_base_port, 0, 4, 2) != engine_ports(
+        cfg.sglang_base_port, 0, 4, 1)
+    assert "ep_size" not in server_args("/m", cfg, tp_size=4, local_rank=0, gpu_id=0, engine_id=0)
+    with pytest.raises(ValueError, match="fused_moe_native.py:77"):
+        server_args("/m", cfg, tp_size=2, local_rank=0, engine_id=0, device="cpu", ep_size=2)
 
 
 def test_engine_host_env_drops_torchruns_agent_store_flag_and_sets_sglangs(monkeypatch):
