@@ -10,8 +10,10 @@ the checks another test already runs: tests/integration/test_gpu_acceptance.py s
 
     python -m bench.gpu.acceptance --device cpu --out OUT [--jobs 2]
 
-Subjects: the shipped policy, and a random model of Qwen2.5-0.5B's shape (a tiny random model on
-CPU). Checks, each recorded with its figures and verdict even when another fails:
+Subjects: the shipped policy, a random model of Qwen2.5-0.5B's shape (a tiny random model on
+CPU), and a random Qwen3-MoE at 30B-A3B's widths with 2 layers (a tiny one on CPU) for the MoE
+checks: log-prob parity, the SGLang engine with the routing it reports, and (on a GPU) trainer
+throughput. Checks, each recorded with its figures and verdict even when another fails:
 
 * trainer (Megatron GPU backend: DDP + distributed optimizer + Megatron's schedule, packed THD):
   log-prob parity with transformers, one GRPO step's gradients against the CPU fp32 backend, the
@@ -78,9 +80,11 @@ QWEN3_MOE_WIDTHS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6
                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                         num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, mlp_only_layers=[],
                         max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False)
-MOE_NAME = "qwen3-moe-widths-2l"
 TINY = dict(vocab_size=250, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+# the dry run's: every layer sparse, as sglang serves only such Qwen3-MoE checkpoints
+TINY_MOE = dict(TINY, tie_word_embeddings=False, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                mlp_only_layers=[])
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class Sizes:
     # so repeating them there proves nothing more (and costs the suite minutes).
     per_subject_on_shape: bool
     replay: ReplayRun  # the program with paper-shaped replayed lengths
+    moe: dict  # the MoE checks' random Qwen3-MoE
+    moe_name: str
 
 
 @dataclass(frozen=True)
@@ -118,9 +124,10 @@ class ReplayRun:
 
 
 GPU = Sizes(QWEN25_05B, "qwen2.5-0.5b-shape", 2e-5, 6, 8192, 5, (1, 8, 32, 64, 128, 256), 128, 10, 480,
-            trainer.QWEN25_7B_WIDTHS_4L, "qwen2.5-7b-widths-4l", True, ReplayRun(32, 8, 1024, 5, True))
+            trainer.QWEN25_7B_WIDTHS_4L, "qwen2.5-7b-widths-4l", True, ReplayRun(32, 8, 1024, 5, True),
+            QWEN3_MOE_WIDTHS, "qwen3-moe-widths-2l")
 CPU = Sizes(TINY, "tiny-random", 1e-3, 4, 1024, 1, (1, 4), 8, 2, 400, TINY, "tiny-widths", False,
-            ReplayRun(4, 2, 64, 2, False))
+            ReplayRun(4, 2, 64, 2, False), TINY_MOE, "tiny-moe")
 # The trainer's MFU goals on an H100 (issue: one-call packed attention, fused pointwise work); recorded
 # beside the figure, not part of the verdict, which says whether the trainer runs correctly.
 MFU_GOALS = {"qwen2.5-0.5b-shape": 0.20, "qwen2.5-7b-widths-4l": 0.35}
@@ -226,13 +233,13 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
         return profile_dir / f"profile-{name}.txt" if profile_dir else None
 
     def moe_subject() -> Subject:
-        """The MoE checks' model (``QWEN3_MOE_WIDTHS``), written on first use."""
+        """The MoE checks' model (``Sizes.moe``), written on first use."""
         from testkit import make_random_qwen3_moe
 
-        model_dir = work / MOE_NAME
+        model_dir = work / sizes.moe_name
         if not model_dir.exists():
-            make_random_qwen3_moe(work / f"{MOE_NAME}.partial", seed=13, **QWEN3_MOE_WIDTHS).rename(model_dir)
-        return Subject(MOE_NAME, model_dir, device, layout, dtype, lr=sizes.shape_lr)
+            make_random_qwen3_moe(work / f"{sizes.moe_name}.partial", seed=13, **sizes.moe).rename(model_dir)
+        return Subject(sizes.moe_name, model_dir, device, layout, dtype, lr=sizes.shape_lr)
 
     checks.update({
         f"{big.name}/trainer_throughput": lambda: _with_goal(big.name, trainer.check_throughput(
@@ -244,10 +251,10 @@ def check_table(device: torch.device, work: Path, progress: Callable[[dict[str, 
                 profile=profile(sizes.widths_name))),
         "attention/packed_kernels": lambda: attention.check_packed_kernels(device),
         "policy/sglang_race_ledger": lambda: race.check_race_ledger(subjects[0]),
-        f"{MOE_NAME}/logprob_parity": lambda: trainer.check_logprob_parity(moe_subject()),
-        f"{MOE_NAME}/sglang_engine": lambda: sglang.check_engine(moe_subject(), progress=progress),
-        f"{MOE_NAME}/trainer_throughput": lambda: trainer.check_throughput(
-            moe_subject(), sizes.throughput_tokens, sizes.throughput_micro_batches, profile=profile(MOE_NAME)),
+        f"{sizes.moe_name}/logprob_parity": lambda: trainer.check_logprob_parity(moe_subject()),
+        f"{sizes.moe_name}/sglang_engine": lambda: sglang.check_engine(moe_subject(), progress=progress),
+        f"{sizes.moe_name}/trainer_throughput": lambda: trainer.check_throughput(
+            moe_subject(), sizes.throughput_tokens, sizes.throughput_micro_batches, profile=profile(sizes.moe_name)),
         f"{big.name}/engine_throughput": lambda: rollout.check_engine_throughput(
             big, list(sizes.engine_batches), sizes.engine_new_tokens),
         f"{big.name}/weight_sync": lambda: rollout.check_weight_sync(big),
@@ -280,10 +287,10 @@ def check_names(device: torch.device) -> list[str]:
             # sglang reads the seed only with deterministic inference, a GPU mode (on CPU:
             # tests/integration/test_sglang_real.py's race check, with replayed lengths)
             + (["policy/sglang_race_ledger"] if device.type == "cuda" else [])
-            # MoE on the device, after the dense checks (on CPU: tests/unit/test_moe.py,
-            # tests/integration/test_sglang_real.py's MoE engine, test_train_program.py's MoE run)
-            + ([f"{MOE_NAME}/{c}" for c in ("logprob_parity", "sglang_engine", "trainer_throughput")]
-               if device.type == "cuda" else [])
+            # MoE, after the dense checks: the device's run at 30B-A3B's widths, the dry run's on a tiny
+            # model (its throughput measures nothing there)
+            + [f"{sizes.moe_name}/{c}" for c in ("logprob_parity", "sglang_engine", "trainer_throughput")
+               if device.type == "cuda" or c != "trainer_throughput"]
             + ["program/baseline_vs_tail_batching", "program/sglang_baseline_vs_tail_batching",
                "program/replay_baseline_vs_tail_batching", "program/sglang_replay_baseline_vs_tail_batching"])
 

@@ -68,9 +68,11 @@ GPU_BUDGETS_S = {
     # estimate: an sglang start for the tiny policy (~30-40 s, the RoPE kernel compiled by then), two
     # runs of 3 short rounds and the long rounds between them at P0=8, R0=4, 128 tokens (~10 s each)
     "policy/sglang_race_ledger": 120,
-    # estimates: writing the 0.6e9-parameter random MoE (~10 s) then as the dense checks of its size
+    # estimates: writing the 0.6e9-parameter random MoE (~10 s) then as the dense checks of its size; the
+    # engine check also compares the routing (a transformers forward per request) and reads transformers'
+    # model again after the push (its experts are fused: ~5 GB of fp32 written and read, ~30 s)
     "qwen3-moe-widths-2l/logprob_parity": 60,
-    "qwen3-moe-widths-2l/sglang_engine": 240,
+    "qwen3-moe-widths-2l/sglang_engine": 270,
     "qwen3-moe-widths-2l/trainer_throughput": 90,
     # estimate: two runs of 5 steps at P0=32, R0=8 on the 0.5B shape with replayed lengths (limit 1,024,
     # median 37): a baseline step decodes ~1,000 steps at ~10 ms, ~10 s; torchrun and model load ~40 s each
@@ -119,6 +121,8 @@ CPU_BUDGETS_S = {
     "program/baseline_vs_tail_batching": 900,
     "program/replay_baseline_vs_tail_batching": 900,
     "program/sglang_replay_baseline_vs_tail_batching": 900,
+    "tiny-moe/logprob_parity": 150,
+    "tiny-moe/sglang_engine": 600,
 }
 
 

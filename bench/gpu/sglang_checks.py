@@ -19,6 +19,11 @@ arguments), on the device under test.
   token may exceed the engine's token's logit by at most ``BF16_TIE_MARGIN``. (bf16 keeps 8 mantissa
   bits; the trainer's bf16 log-probs measured a mean error of 0.0097 against fp32 on the 0.5B shape,
   docs/gpu/2026-11-23-h100: 0.1 is ten times that.)
+* ``routing`` (a MoE model): the engine started with ``rollout.return_routing``; at every position
+  the greedy requests fed and every sparse layer, the experts sglang reports against those
+  transformers' router (fp32, on the same tokens) chooses: the same set, and the same order. Replay
+  uses the set; the order (descending weight on sglang's CPU path) is measured here for the GPU's
+  Triton gate. A bf16 engine can flip a near-tie, so the bar is a share, ``ROUTING_SET_SHARE``.
 * ``push``: trainer tensors (the Megatron trainer on the same device, weights perturbed) pushed
   through ``SGLangEngine.update_weights`` (CUDA IPC handles to the engine host on a GPU), then the
   greedy check again against transformers loaded with the same tensors; the perturbation must change
@@ -39,17 +44,20 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from bench.gpu.rollout_checks import drain, hf_greedy, hf_model
 from bench.gpu.trainer_checks import Subject, trainer_config
-from rollpacker.hf_spec import parse_spec
+from rollpacker.hf_spec import ModelSpec, parse_spec
 from rollpacker.plan_sizes import FP32, BF16, engine_weight_bytes, kv_bytes_per_token
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import GenerationRequest, SamplingParams
+from rollpacker.rollout.engine import Completion, GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
 from testkit import free_base_port
 from rollpacker.trainer.trainer import Trainer
@@ -57,6 +65,9 @@ from rollpacker.trainer.trainer import Trainer
 BF16_TIE_MARGIN = 0.1  # nats; module docstring
 KV_PLAN_BAND = (0.85, 1.05)  # engine KV tokens / planned; module docstring
 RELEASE_SHARE = 0.8  # of what the engine took at start, release must give back (CUDA contexts stay)
+# positions x sparse layers whose top-k set must equal the fp32 router's (module docstring); the random
+# MoE's routers are scaled up to keep their choices clear of near-ties (testkit.make_random_checkpoint)
+ROUTING_SET_SHARE = 0.95
 GPU_MEM_FRACTION = 0.5  # leaves room for the trainer on the same GPU during the push check
 
 
@@ -72,11 +83,56 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(rng.randint(4, 40))] for _ in range(n)]
 
 
-def _generate(engine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> dict[str, list[int]]:
+def _completions(engine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> dict[str, Completion]:
     engine.submit([GenerationRequest(f"r{i}", p, SamplingParams(temperature=temperature, max_new_tokens=new_tokens,
                                                                 seed=i))
                    for i, p in enumerate(prompts)])
-    return drain(engine)
+    out = {}
+    while engine.active_request_ids():
+        out.update((c.request_id, c) for c in engine.poll(None))
+    return out
+
+
+def _generate(engine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> dict[str, list[int]]:
+    return {rid: list(c.output_ids) for rid, c in _completions(engine, prompts, new_tokens, temperature).items()}
+
+
+def _hf_routing(model, ids: list[int], spec: ModelSpec) -> torch.Tensor:
+    """The top-k experts [positions, sparse layers, k] of transformers' routers on ``ids``, from each
+    router's input and weight (softmax in fp32, as HF's Qwen3-MoE router; independent of what the
+    installed transformers' router module returns)."""
+    inputs: list[torch.Tensor] = []
+    gates = [model.model.layers[i].mlp.gate for i in spec.moe_layers]
+    hooks = [g.register_forward_hook(lambda _m, args, _out: inputs.append(args[0])) for g in gates]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids], device=model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    chosen = [torch.topk(torch.softmax(torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).float(), g.weight.float()),
+                                       dim=-1), spec.experts_per_token, dim=-1).indices
+              for h, g in zip(inputs, gates)]
+    return torch.stack(chosen, 1).cpu()
+
+
+def compare_routing(model, prompts: list[list[int]], done: dict[str, Completion], spec: ModelSpec) -> dict[str, Any]:
+    """The engine's reported routing against transformers' routers on the same tokens (module docstring)."""
+    width = (len(spec.moe_layers), spec.experts_per_token)
+    total = same_set = same_order = wrong_length = 0
+    for i, p in enumerate(prompts):
+        c = done[f"r{i}"]
+        want = _hf_routing(model, [*p, *c.output_ids][:-1], spec)  # the last output token is never fed
+        if len(c.routed_experts) != want.numel():
+            wrong_length += 1
+            continue
+        got = torch.tensor(list(c.routed_experts), dtype=want.dtype).view(-1, *width)
+        total += got.shape[0] * got.shape[1]
+        same_order += int((got == want).all(-1).sum())
+        same_set += int((got.sort(-1).values == want.sort(-1).values).all(-1).sum())
+    return {"positions_x_layers": total, "same_set": same_set, "same_order": same_order,
+            "wrong_length_requests": wrong_length,
+            "ok": wrong_length == 0 and total > 0 and same_set >= ROUTING_SET_SHARE * total}
 
 
 def _start(subject: Subject, cfg: RolloutConfig, dtype: str):
@@ -103,6 +159,24 @@ def compare_greedy(model, prompts: list[list[int]], got: dict[str, list[int]], w
     return out
 
 
+def _with_weights(model, subject: Subject, tensors: dict[str, torch.Tensor]):
+    """transformers' model with ``tensors`` (checkpoint names) loaded. transformers 5 fuses a MoE
+    model's experts into one tensor per layer, so their per-expert checkpoint names are not its
+    parameters: a model they would not load into is read again from a copy of the checkpoint with them,
+    through ``from_pretrained``'s own conversion."""
+    if not model.load_state_dict(tensors, strict=False).unexpected_keys:
+        return model
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(subject.model_dir / "config.json", tmp)
+        state = {}
+        for file in sorted(subject.model_dir.glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        save_file({**state, **tensors}, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        return hf_model(Path(tmp), subject.device)
+
+
 def _perturb(trainer: Trainer, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -126,7 +200,7 @@ def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32,
     spec = parse_spec(subject.model_dir)
     batch = _prompts(spec.vocab_size, prompts, seed=7)
     cfg = RolloutConfig(backend="sglang", kv_cache_tokens=8192, sglang_base_port=free_base_port(1),
-                        mem_fraction_static=GPU_MEM_FRACTION if subject.cuda else 0.05)
+                        mem_fraction_static=GPU_MEM_FRACTION if subject.cuda else 0.05, return_routing=spec.is_moe)
     free_before = _free_bytes(subject.device)
     dtype = "bfloat16" if subject.cuda else "float32"
     result: dict[str, Any] = {"dtype": dtype}
@@ -146,14 +220,18 @@ def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32,
 
         model = hf_model(subject.model_dir, subject.device)
         want = hf_greedy(model, batch, new_tokens)
-        result["greedy"] = compare_greedy(model, batch, _generate(engine, batch, new_tokens), want,
+        done = _completions(engine, batch, new_tokens)
+        result["greedy"] = compare_greedy(model, batch, {rid: list(c.output_ids) for rid, c in done.items()}, want,
                                           exact=dtype == "float32")
         stage(result)
+        if spec.is_moe:
+            result["routing"] = compare_routing(model, batch, done, spec)
+            stage(result)
 
         trainer = Trainer(trainer_config(subject), subject.model_dir, subject.layout)
         _perturb(trainer, seed=3)
         pushed = [(n, t.detach().float().cpu()) for n, t in trainer.iter_hf_tensors()]
-        model.load_state_dict(dict(pushed), strict=False)
+        model = _with_weights(model, subject, dict(pushed))
         want_after = hf_greedy(model, batch, new_tokens)
         t0 = time.perf_counter()
         engine.update_weights(trainer.iter_hf_tensors())

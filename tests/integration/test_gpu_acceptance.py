@@ -44,7 +44,7 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-3000:])
     checks = results["checks"]
     # per-subject checks on the policy only (Sizes.per_subject_on_shape)
-    assert len(checks) == 14 and results["skipped"] == COVERED_ELSEWHERE, sorted(checks)
+    assert len(checks) == 16 and results["skipped"] == COVERED_ELSEWHERE, sorted(checks)
     assert "[acceptance] program/sglang_baseline_vs_tail_batching: skipped (--skip)" in proc.stdout
     assert checks["policy/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     assert checks["policy/gradient_parity"]["fp32"]["rel_l2_err"] < 1e-6  # CPU against itself: identical
@@ -55,6 +55,10 @@ def test_acceptance_dry_run_passes_every_check_and_writes_its_report(sglang_venv
     assert engine["greedy"]["equal_tokens"] == engine["greedy"]["tokens"] == 8 * 32
     assert engine["push"]["changes_output"] and engine["push"]["equal_tokens"] == 8 * 32
     assert engine["release"]["output_unchanged"]
+    moe = checks["tiny-moe/sglang_engine"]  # all-sparse Qwen3-MoE, routing reported: fp32, so exact
+    assert moe["greedy"]["equal_tokens"] == moe["greedy"]["tokens"] == moe["push"]["equal_tokens"] == 8 * 32
+    assert moe["routing"]["same_order"] == moe["routing"]["positions_x_layers"] > 0, moe["routing"]
+    assert checks["tiny-moe/logprob_parity"]["max_abs_err_vs_hf_fp32"] < 1e-4
     rows = checks["tiny-random/sglang_throughput"]["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["tokens_per_s"] > 0 and r["reference_tokens_per_s"] > 0 for r in rows)
