@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rollpacker.configlib import ConfigError, apply_overrides, build, load_yaml
 from rollpacker.data.config import DataConfig
@@ -19,7 +19,11 @@ from rollpacker.eval import EvalConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.scheduler.config import SchedulerConfig
+from rollpacker.scheduler.round import EngineLayout
 from rollpacker.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from rollpacker.hf_spec import ModelSpec
 
 
 @dataclass
@@ -106,6 +110,18 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
+def _engine_layout_problem(spec: ModelSpec, layout: EngineLayout) -> str | None:
+    """Why rollout engines of ``layout`` cannot hold the model of ``spec``, if they cannot."""
+    if not spec.is_moe:
+        return f"the model has no experts to split ({spec.model_type})" if layout.ep > 1 else None
+    if spec.num_experts % layout.ep:
+        return f"EP {layout.ep} does not divide the {spec.num_experts} experts"
+    if spec.moe_intermediate_size % (layout.tp // layout.ep):
+        return (f"the {layout.tp // layout.ep} ranks sharing an expert do not divide its intermediate size "
+                f"{spec.moe_intermediate_size}")
+    return None
+
+
 def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None:
     """Refuse an expert layout the model at ``hf`` cannot take."""
     from rollpacker.hf_spec import parse_spec
@@ -117,12 +133,7 @@ def _check_experts(cfg: Config, hf_cfg: dict, world_size: int, hf: Path) -> None
         raise ConfigError(f"{cfg.source}: model.path {hf}: {exc} (trainer.ep)") from None
     planner = cfg.scheduler.planner
     for layout in planner.layout_choices(world_size, cfg.rollout.tp, cfg.rollout.ep):
-        problem = (f"the model has no experts to split ({hf_cfg.get('model_type')})" if not spec.is_moe else
-                   f"EP {layout.ep} does not divide the {spec.num_experts} experts"
-                   if spec.num_experts % layout.ep else
-                   f"the {layout.tp // layout.ep} ranks sharing an expert do not divide its intermediate size "
-                   f"{spec.moe_intermediate_size}" if spec.moe_intermediate_size % (layout.tp // layout.ep) else None)
-        if problem and (layout.ep > 1 or spec.is_moe):
+        if problem := _engine_layout_problem(spec, layout):
             raise ConfigError(f"{cfg.source}: rollout engines of {layout} (rollout.tp/ep, scheduler.planner.*_tp, "
                               f"*_ep, max_tp, profile): {problem} (model.path {hf}); choose sizes whose EP divides the "
                               f"experts and whose TP/EP divides the experts' intermediate size (EP 1 on a dense model)")
