@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from rollpacker.configlib import ConfigError
 from rollpacker.rollout.config import RolloutConfig
@@ -65,6 +66,25 @@ def make_random_checkpoint(path: str | Path, family: str, *, seed: int = 0, **ov
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def hf_router_topk(model, ids: list[int], moe_layers: Sequence[int], top_k: int):
+    """transformers' Qwen3-MoE routing of ``ids``: the top-k experts [positions, sparse layers, k] in
+    descending weight, from each sparse layer's router input (hooked) and weight, by HF's formula (a
+    softmax in fp32, then top-k): the same whatever the installed transformers' router returns."""
+    import torch
+
+    gates = [model.model.layers[i].mlp.gate for i in moe_layers]
+    inputs: list = []
+    hooks = [g.register_forward_hook(lambda _m, args, _out: inputs.append(args[0])) for g in gates]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids], device=model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = [torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), g.weight.float()) for x, g in zip(inputs, gates)]
+    return torch.stack([torch.topk(torch.softmax(z, dim=-1), top_k, dim=-1).indices for z in logits], 1).cpu()
 
 
 def make_random_qwen2(path: str | Path, *, seed: int = 0, **overrides) -> Path:

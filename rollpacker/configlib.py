@@ -21,6 +21,12 @@ class ConfigError(ValueError):
     """A configuration that cannot run. The message names key, source and fix."""
 
 
+def require_power_of_two(name: str, value: int) -> None:
+    """Refuse ``value`` of the key ``name`` unless it is a power of two >= 1 (a TP or EP size)."""
+    if value < 1 or value & (value - 1):
+        raise ConfigError(f"{name} must be a power of two >= 1, got {value}")
+
+
 def load_yaml(path: str | Path, _within: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The file's sections; a top-level ``base: other.yaml`` (beside it) is read first and this
     file's keys replace its keys, section by section (a list is replaced whole)."""

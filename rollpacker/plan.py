@@ -162,11 +162,11 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
                                    ep=t.ep).params for k in range(t.pp))
 
     tps = planner.tp_choices(world_size, ro.tp)
+    layouts = planner.layout_choices(world_size, ro.tp, ro.ep)
     if ro.backend == "sglang":  # bf16 engines in processes of their own; static budget of the whole GPU
         # a process per engine set, one set per layout (an EP size at a TP adds one; its weights per GPU
         # are those of the TP: the experts split over the same ranks)
-        sets = len(planner.layout_choices(world_size, ro.tp, ro.ep))
-        dtype_bytes, contexts = BF16, (1 + sets) * CUDA_CONTEXT_BYTES
+        dtype_bytes, contexts = BF16, (1 + len(layouts)) * CUDA_CONTEXT_BYTES
         static_name = f"rollout.mem_fraction_static x device = {gb(ro.mem_fraction_static * device_bytes)} GB"
     else:  # the reference engine: fp32, in the trainer's process, a fixed KV budget per engine
         dtype_bytes, contexts = FP32, CUDA_CONTEXT_BYTES
@@ -243,7 +243,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, *, world_size: int, device_bytes: 
         f"trainer: tp {t.tp}, pp {t.pp}, cp {t.cp}, dp {dp}, {dtype} params; {tokens} tokens per micro-batch "
         f"per GPU = max(trainer.micro_batch_tokens {t.micro_batch_tokens}, longest sequence {longest}) / cp "
         f"{t.cp}; recompute {'on' if t.recompute else 'off'}; worst pipeline stage {train.stage} of {t.pp}",
-        f"rollout: {ro.backend}, engine sets for {', '.join(map(str, planner.layout_choices(world_size, ro.tp, ro.ep)))}; "
+        f"rollout: {ro.backend}, engine sets for {', '.join(map(str, layouts))}; "
         f"static per GPU: {static_name}",
         # mixture of experts: below the lines a dense model has, which keep their places
         *((f"experts: {len(spec.moe_layers)} sparse layers of {spec.num_experts} experts (ffn "

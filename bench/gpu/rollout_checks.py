@@ -16,7 +16,7 @@ import torch
 from bench.gpu.trainer_checks import Subject, trainer_config
 from rollpacker.hf_spec import parse_spec
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from rollpacker.rollout.engine import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
 from testkit import free_base_port
 from rollpacker.trainer.trainer import Trainer
@@ -24,12 +24,17 @@ from rollpacker.trainer.trainer import Trainer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def drain(engine: RolloutEngine) -> dict[str, list[int]]:
-    """Output tokens by request id of everything in flight, once all of it has finished."""
+def drain_completions(engine: RolloutEngine) -> dict[str, Completion]:
+    """The completions by request id of everything in flight, once all of it has finished."""
     out = {}
     while engine.active_request_ids():
-        out.update((c.request_id, c.output_ids) for c in engine.poll(None))
+        out.update((c.request_id, c) for c in engine.poll(None))
     return out
+
+
+def drain(engine: RolloutEngine) -> dict[str, list[int]]:
+    """Output tokens by request id of everything in flight, once all of it has finished."""
+    return {rid: list(c.output_ids) for rid, c in drain_completions(engine).items()}
 
 
 def hf_model(model_dir: Path, device: torch.device):

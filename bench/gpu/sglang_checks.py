@@ -52,14 +52,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from bench.gpu.rollout_checks import drain, hf_greedy, hf_model
+from bench.gpu.rollout_checks import drain, drain_completions, hf_greedy, hf_model
 from bench.gpu.trainer_checks import Subject, trainer_config
 from rollpacker.hf_spec import ModelSpec, parse_spec
 from rollpacker.plan_sizes import FP32, BF16, engine_weight_bytes, kv_bytes_per_token
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Completion, GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from testkit import free_base_port
+from testkit import free_base_port, hf_router_topk
 from rollpacker.trainer.trainer import Trainer
 
 BF16_TIE_MARGIN = 0.1  # nats; module docstring
@@ -87,33 +87,15 @@ def _completions(engine, prompts: list[list[int]], new_tokens: int, temperature:
     engine.submit([GenerationRequest(f"r{i}", p, SamplingParams(temperature=temperature, max_new_tokens=new_tokens,
                                                                 seed=i))
                    for i, p in enumerate(prompts)])
-    out = {}
-    while engine.active_request_ids():
-        out.update((c.request_id, c) for c in engine.poll(None))
-    return out
+    return drain_completions(engine)
 
 
 def _generate(engine, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> dict[str, list[int]]:
-    return {rid: list(c.output_ids) for rid, c in _completions(engine, prompts, new_tokens, temperature).items()}
+    return _tokens(_completions(engine, prompts, new_tokens, temperature))
 
 
-def _hf_routing(model, ids: list[int], spec: ModelSpec) -> torch.Tensor:
-    """The top-k experts [positions, sparse layers, k] of transformers' routers on ``ids``, from each
-    router's input and weight (softmax in fp32, as HF's Qwen3-MoE router; independent of what the
-    installed transformers' router module returns)."""
-    inputs: list[torch.Tensor] = []
-    gates = [model.model.layers[i].mlp.gate for i in spec.moe_layers]
-    hooks = [g.register_forward_hook(lambda _m, args, _out: inputs.append(args[0])) for g in gates]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids], device=model.device))
-    finally:
-        for h in hooks:
-            h.remove()
-    chosen = [torch.topk(torch.softmax(torch.nn.functional.linear(h.reshape(-1, h.shape[-1]).float(), g.weight.float()),
-                                       dim=-1), spec.experts_per_token, dim=-1).indices
-              for h, g in zip(inputs, gates)]
-    return torch.stack(chosen, 1).cpu()
+def _tokens(done: dict[str, Completion]) -> dict[str, list[int]]:
+    return {rid: list(c.output_ids) for rid, c in done.items()}
 
 
 def compare_routing(model, prompts: list[list[int]], done: dict[str, Completion], spec: ModelSpec) -> dict[str, Any]:
@@ -122,7 +104,8 @@ def compare_routing(model, prompts: list[list[int]], done: dict[str, Completion]
     total = same_set = same_order = wrong_length = 0
     for i, p in enumerate(prompts):
         c = done[f"r{i}"]
-        want = _hf_routing(model, [*p, *c.output_ids][:-1], spec)  # the last output token is never fed
+        # the last output token is never fed
+        want = hf_router_topk(model, [*p, *c.output_ids][:-1], spec.moe_layers, spec.experts_per_token)
         if len(c.routed_experts) != want.numel():
             wrong_length += 1
             continue
@@ -221,7 +204,7 @@ def check_engine(subject: Subject, prompts: int = 8, new_tokens: int = 32,
         model = hf_model(subject.model_dir, subject.device)
         want = hf_greedy(model, batch, new_tokens)
         done = _completions(engine, batch, new_tokens)
-        result["greedy"] = compare_greedy(model, batch, {rid: list(c.output_ids) for rid, c in done.items()}, want,
+        result["greedy"] = compare_greedy(model, batch, _tokens(done), want,
                                           exact=dtype == "float32")
         stage(result)
         if spec.is_moe:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rollpacker.configlib import ConfigError
+from rollpacker.configlib import ConfigError, require_power_of_two
 
 # SGLang engine ports (``sglang_args.engine_ports``): each engine led by a node-local rank gets a
 # block of SGLANG_PORT_BLOCK ports (sglang binds ``port`` and ``nccl_port = port + 1``), one block per
@@ -91,9 +91,8 @@ class RolloutConfig:
         return self.backend == "reference" or self.sglang_deterministic_inference
 
     def validate(self) -> None:
-        for key in ("tp", "ep"):
-            if getattr(self, key) < 1 or getattr(self, key) & (getattr(self, key) - 1):
-                raise ConfigError(f"{key} must be a power of two >= 1, got {getattr(self, key)}")
+        require_power_of_two("tp", self.tp)
+        require_power_of_two("ep", self.ep)
         if self.ep > self.tp:
             raise ConfigError(f"ep={self.ep} must divide tp={self.tp}: an engine's experts are split over its ranks")
         if self.max_response_length < 1:

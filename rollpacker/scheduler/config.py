@@ -4,13 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollpacker.configlib import ConfigError
+from rollpacker.configlib import ConfigError, require_power_of_two
 from rollpacker.scheduler.round import EngineLayout
-
-
-def _power_of_two(name: str, value: int) -> None:
-    if value < 1 or value & (value - 1):
-        raise ConfigError(f"{name} must be a power of two >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -27,8 +22,8 @@ class TPProfile:
     request_tokens_per_s: float = 0.0
 
     def validate(self) -> None:
-        _power_of_two("tp", self.tp)
-        _power_of_two("ep", self.ep)
+        require_power_of_two("tp", self.tp)
+        require_power_of_two("ep", self.ep)
         if self.tp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide tp={self.tp}: an engine's experts are split over its ranks")
         if self.decode_tokens_per_s <= 0 or self.kv_capacity_tokens < 1 or self.request_tokens_per_s < 0:
@@ -70,7 +65,7 @@ class PlannerConfig:
 
     def validate(self) -> None:
         for name in ("short_tp", "long_tp", "max_tp", "min_tp", "short_ep", "long_ep"):
-            _power_of_two(name, getattr(self, name))
+            require_power_of_two(name, getattr(self, name))
         if self.min_tp > self.max_tp:
             raise ConfigError(f"min_tp={self.min_tp} must be <= max_tp={self.max_tp}")
         if self.grow_ratio < 1:

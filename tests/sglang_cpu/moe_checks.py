@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine_checks import CPU_ENGINE_ARGS, compare
+from testkit import hf_router_topk
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 2], [7, 8, 9, 10, 11, 12, 13, 14]]
 NEW_TOKENS = 16
@@ -53,18 +54,9 @@ def transformers_greedy(model) -> list[list[int]]:
 
 
 def transformers_routing(model, ids: list[int]) -> torch.Tensor:
-    """The router's top-k on ``ids``: [positions, layers, k], descending weight (``torch.topk`` in
-    ``Qwen3MoeTopKRouter.forward``, whose outputs are (logits, weights, indices))."""
-    chosen: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _in, out: chosen.append(out[2]))
-             for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(chosen, 1)
+    """The router's top-k on ``ids``: [positions, layers, k], descending weight (every layer is sparse)."""
+    layers = model.config.num_hidden_layers
+    return hf_router_topk(model, ids, range(layers), model.config.num_experts_per_tok)
 
 
 def pushed_reference(model_dir: Path):

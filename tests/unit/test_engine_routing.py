@@ -14,7 +14,7 @@ from rollpacker.rollout import make_engine
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import FINISH_EVICTED, GenerationRequest, SamplingParams
 from rollpacker.rollout.reference import ReferenceEngine
-from testkit import make_random_qwen3, make_random_qwen3_moe
+from testkit import hf_router_topk, make_random_qwen3, make_random_qwen3_moe
 from tests.unit.test_engine import _run
 
 torch.set_num_threads(1)
@@ -41,22 +41,13 @@ def _requests(seed: int = 0) -> list[GenerationRequest]:
 
 
 def _hf_routing(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    """transformers' own top-k choices on ``ids``: [positions, sparse layers, k], from hooks on every sparse
-    layer's router (``mlp.gate``, whose forward returns (logits, scores, indices))."""
+    """transformers' top-k choices on ``ids``: [positions, sparse layers, k] (``testkit.hf_router_topk``)."""
     from transformers import AutoModelForCausalLM
     hf = _hf_routing.cache.get(model_dir)
     if hf is None:
         hf = _hf_routing.cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    chosen: list[torch.Tensor] = []
-    hooks = [hf.model.layers[i].mlp.gate.register_forward_hook(lambda _m, _in, out: chosen.append(out[2]))
-             for i in parse_spec(model_dir).moe_layers]
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(chosen, 1)
+    spec = parse_spec(model_dir)
+    return hf_router_topk(hf, ids, spec.moe_layers, spec.experts_per_token)
 
 
 _hf_routing.cache = {}
