@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import time
 
-TOKENS = 48  # long enough for several streamed counts before the request finishes (CPU decode)
+# Long enough that the reads below see the counts rise: at 48 tokens a CI run under full load read a
+# request once, after 47 of its tokens (sglang decodes this policy at ~175 tokens/s alone on CPU,
+# so 512 take seconds, while a read takes milliseconds)
+TOKENS = 512
 ROUNDS, P0, R0, LIMIT = 3, 4, 2, 32
 
 
@@ -38,7 +41,7 @@ def progress_counts(eng, prompts) -> dict:
         for rid, n in zip(running, eng.progress(running)):
             seen[rid].append(n)
         done.update((c.request_id, c) for c in eng.poll(timeout=0.02))
-    unstreamed = GenerationRequest("plain-0", prompts[0], params)
+    unstreamed = GenerationRequest("plain-0", prompts[0], SamplingParams(max_new_tokens=4))
     eng.submit([unstreamed])
     try:
         eng.progress(["plain-0"])
